@@ -1,0 +1,148 @@
+"""jax_flash_mla: Multi-head Latent Attention (DeepSeek-V2/V3 MLA) paged decode for JAX.
+
+Hopper (sm_90) GPUs run CUDA kernels through XLA FFI; every other platform runs the pure-jnp reference, which is also
+the test oracle. Three KV-cache formats: "bf16", "fp8_per_tensor" and "fp8_ds_mla" (656 bytes per token).
+
+    meta = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)      # once per decode step
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, meta, causal=True)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi, formats, sharding, validation
+from .formats import DS_MLA_BYTES_PER_TOKEN, HEAD_DIM_QK, HEAD_DIM_V, KV_FORMATS, PAGE_SIZE
+from .primitives import FORCE_REFERENCE_ENV, decode_p, hopper_devices_only, resolve_implementation, sched_meta_p
+from .quant import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
+from .reference import mla_decode_reference
+from .scheduler import num_sm_parts as _num_sm_parts
+
+__all__ = [
+    "MlaMetadata", "get_mla_metadata", "flash_mla_with_kvcache", "quantize_kv_cache", "dequantize_kv_cache",
+    "write_kv_cache", "mla_decode_reference", "kernel_formats", "KV_FORMATS", "HEAD_DIM_QK", "HEAD_DIM_V",
+    "PAGE_SIZE", "DS_MLA_BYTES_PER_TOKEN", "FORCE_REFERENCE_ENV",
+]
+
+# SM count assumed off-GPU (an H200): the metadata then has the shape the kernel would use there.
+_DEFAULT_NUM_SMS = 132
+
+
+class MlaMetadata(NamedTuple):
+    """Split-KV scheduler output of get_mla_metadata; a pytree of two int32 device arrays."""
+
+    tile_scheduler_metadata: jax.Array  # [num_sm_parts, 8]
+    num_splits: jax.Array  # [batch + 1], cumulative splits per sequence
+
+
+def kernel_formats() -> frozenset:
+    """Cache formats whose Hopper kernel is usable on this machine (empty off sm_90 or without the extension)."""
+    return _ffi.kernel_formats() if hopper_devices_only() else frozenset()
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _default_num_sms() -> int:
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or _DEFAULT_NUM_SMS) if device.platform == "gpu" else _DEFAULT_NUM_SMS
+
+
+def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: int, *,
+                     num_sms: Optional[int] = None, implementation: str = "auto") -> MlaMetadata:
+    """Schedules split-KV work for one decode step; reuse the result for every layer of that step.
+
+    Args:
+      cache_seqlens: int32 [batch], tokens in each sequence's cache (including the new ones).
+      num_q_tokens_per_head_k: seqlen_q * num_heads_q // num_heads_k (query rows sharing one KV head).
+      num_heads_k: KV heads of the cache (1 for DeepSeek MLA).
+      num_sms: streaming multiprocessors to balance over (default: the GPU's, or 132 off-GPU).
+      implementation: "auto", "kernel" (CUDA scheduler kernel, error if unusable) or "reference" (jnp).
+    """
+    for name, value in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive Python int, got {value!r}")
+    parts = _num_sm_parts(num_sms or _default_num_sms(), int(num_q_tokens_per_head_k), int(num_heads_k))
+    cache_seqlens = jnp.asarray(cache_seqlens)
+    meta, splits = sched_meta_p.bind(cache_seqlens, num_sm_parts=parts,
+                                     implementation=resolve_implementation(implementation))
+    return MlaMetadata(meta, splits)
+
+
+def _as_descale(x):
+    return None if x is None else jnp.reshape(jnp.asarray(x), (1,))
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int = HEAD_DIM_V,
+                           tile_scheduler_metadata=None, num_splits=None, softmax_scale: Optional[float] = None,
+                           causal: bool = False, kv_format: str = "bf16", descale_q=None, descale_k=None, *,
+                           implementation: str = "auto"):
+    """MLA decode attention over a paged latent cache.
+
+    Args:
+      q: [batch, seqlen_q, num_heads_q, 576]; bfloat16, or float8_e4m3fn for "fp8_per_tensor".
+      k_cache: [num_blocks, 64, num_heads_k, 576] (bf16 / float8_e4m3fn), or [..., 656] uint8 (or a float8_e4m3fn
+        view of those bytes) for "fp8_ds_mla". V is the first 512 channels of the latent.
+      block_table: int32 [batch, max_blocks_per_seq]; entries past a sequence's last page are never read.
+      cache_seqlens: int32 [batch].
+      head_dim_v: must be 512.
+      tile_scheduler_metadata: an MlaMetadata from get_mla_metadata (or FlashMLA-style: the metadata array, with
+        `num_splits` passed separately). Computed here when omitted.
+      softmax_scale: defaults to 576 ** -0.5 (for every format).
+      causal: with seqlen_q > 1, query i of a sequence of length L sees keys 0 .. L - seqlen_q + i.
+      kv_format: "bf16", "fp8_per_tensor" or "fp8_ds_mla".
+      descale_q, descale_k: float32 scalars ([] or [1]), "fp8_per_tensor" only: logits are scaled by
+        softmax_scale * descale_q * descale_k, the output by descale_k.
+      implementation: "auto" (kernel on sm_90, reference elsewhere; JAX_FLASH_MLA_FORCE_REFERENCE=1 forces the
+        reference), "kernel" or "reference".
+
+    Returns:
+      out bfloat16 [batch, seqlen_q, num_heads_q, 512] and lse float32 [batch, num_heads_q, seqlen_q] (natural log;
+      +inf, with out = 0, for a query row that sees no key).
+    """
+    kv_format = formats.check_kv_format(kv_format)
+    validation.check_decode_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
+                                 descale_q=descale_q, descale_k=descale_k, head_dim_v=head_dim_v)
+    if softmax_scale is None:
+        softmax_scale = HEAD_DIM_QK ** -0.5
+    if _is_tracer(softmax_scale) or not np.isfinite(float(softmax_scale)) or float(softmax_scale) <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite Python float (static), got {softmax_scale!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a Python bool (static), got {type(causal).__name__}")
+    if not (_is_tracer(block_table) or _is_tracer(cache_seqlens)):
+        validation.check_concrete_values(block_table, cache_seqlens, k_cache.shape[0])
+
+    b = q.shape[0]
+    implementation = resolve_implementation(implementation)
+    meta = None  # None: computed inside the (possibly per-shard) decode for the shapes it sees
+    if tile_scheduler_metadata is None:
+        if num_splits is not None:
+            raise ValueError("num_splits was given without tile_scheduler_metadata")
+    else:
+        if isinstance(tile_scheduler_metadata, tuple):
+            if num_splits is not None:
+                raise ValueError("num_splits must not be given when tile_scheduler_metadata is an MlaMetadata")
+            tile_scheduler_metadata, num_splits = tile_scheduler_metadata
+        elif num_splits is None:
+            raise ValueError("tile_scheduler_metadata must be an MlaMetadata from get_mla_metadata "
+                             "(or pass its num_splits too)")
+        validation.check_sched_meta(tile_scheduler_metadata, num_splits, b)
+        meta = (tile_scheduler_metadata, num_splits)
+
+    if kv_format == "fp8_ds_mla" and k_cache.dtype != jnp.uint8:
+        k_cache = jax.lax.bitcast_convert_type(k_cache, jnp.uint8)  # same bytes, the layout is byte-defined
+    ones = jnp.ones((1,), jnp.float32)
+    # sharding.decode partitions over sharded inputs under jit (heads / batch page pools, see its docstring) and is
+    # the plain single-device decode otherwise.
+    out, lse = sharding.decode(
+        q, k_cache, block_table, cache_seqlens,
+        _as_descale(descale_q) if descale_q is not None else ones,
+        _as_descale(descale_k) if descale_k is not None else ones, meta,
+        softmax_scale=float(softmax_scale), causal=bool(causal), kv_format=kv_format, implementation=implementation,
+        num_sms=_default_num_sms())
+    return out, lse

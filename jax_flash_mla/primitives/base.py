@@ -1,0 +1,102 @@
+"""Shared machinery of the package's JAX primitives.
+
+Each primitive lowers to an XLA FFI custom call on CUDA when the kernel for it was built and every CUDA device is a
+Hopper (sm_90) part, and to the pure-jnp reference everywhere else. `implementation` is a static parameter of every
+primitive: "auto" picks as above, "reference" always lowers to jnp, "kernel" insists on the FFI kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .. import _ffi
+
+IMPLEMENTATIONS = ("auto", "kernel", "reference")
+FORCE_REFERENCE_ENV = "JAX_FLASH_MLA_FORCE_REFERENCE"
+
+
+def resolve_implementation(implementation: str) -> str:
+    """Validates `implementation`; the environment variable turns "auto" into "reference"."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto" and os.environ.get(FORCE_REFERENCE_ENV, "0") not in ("", "0"):
+        return "reference"
+    return implementation
+
+
+@functools.cache
+def hopper_devices_only() -> bool:
+    """True when CUDA devices exist and all of them are compute capability 9.0 (the kernels are built for sm_90a)."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return False
+    return bool(devices) and all(getattr(d, "compute_capability", None) == "9.0" for d in devices)
+
+
+def cuda_kernel_usable(target_available: bool) -> bool:
+    return target_available and hopper_devices_only()
+
+
+def _no_derivative(name):
+    def jvp(primals, tangents, **params):
+        raise NotImplementedError(f"{name} is a decode-only kernel and has no derivative; "
+                                  "wrap its inputs in jax.lax.stop_gradient if they carry tangents")
+    return jvp
+
+
+def _batch_sequentially(prim):
+    """vmap rule (unbatched operands have dim None): maps the primitive over the batched axis with lax.map (the kernels have no extra batch dim)."""
+    def rule(args, dims, **params):
+        mapped = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims) if d is not None]
+
+        def one(xs):
+            it = iter(xs)
+            full = [a if d is None else next(it) for a, d in zip(args, dims)]
+            return prim.bind(*full, **params)
+
+        outs = lax.map(one, mapped)
+        return outs, [0] * len(outs)
+    return rule
+
+
+def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_available) -> Primitive:
+    """Defines a multiple-results primitive.
+
+    reference_fn(*args, **params) and kernel_fn(*args, **params) are jnp-traceable functions returning a tuple;
+    kernel_available(**params) -> bool says whether the FFI target exists for these params.
+    """
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(abstract_eval)
+
+    def default_lowering(ctx, *args, **params):
+        if params["implementation"] == "kernel":
+            raise ValueError(f"{name}: implementation='kernel' needs a CUDA sm_90 device; "
+                             f"this computation is lowered for {ctx.module_context.platforms}")
+        return mlir.lower_fun(lambda *a: reference_fn(*a, **params), multiple_results=True)(ctx, *args)
+
+    def cuda_lowering(ctx, *args, **params):
+        implementation = params["implementation"]
+        usable = cuda_kernel_usable(kernel_available(**params))
+        if implementation == "kernel" and not usable:
+            raise ValueError(f"{name}: implementation='kernel' but no kernel is usable here "
+                             f"(extension built: {_ffi.extension_available()}, kernels built for "
+                             f"{sorted(_ffi.kernel_formats())}, all CUDA devices sm_90: {hopper_devices_only()})")
+        fn = kernel_fn if (implementation != "reference" and usable) else reference_fn
+        return mlir.lower_fun(lambda *a: fn(*a, **params), multiple_results=True)(ctx, *args)
+
+    mlir.register_lowering(prim, default_lowering)
+    mlir.register_lowering(prim, cuda_lowering, platform="cuda")
+    batching.primitive_batchers[prim] = _batch_sequentially(prim)
+    ad.primitive_jvps[prim] = _no_derivative(name)
+    return prim

@@ -1,0 +1,170 @@
+"""Public API contract: argument errors, metadata, implementation switch, jit / vmap / grad behaviour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash_mla as fm
+from jax_flash_mla.primitives import FORCE_REFERENCE_ENV
+
+B, S_Q, H_Q, H_KV, BLOCKS, MAX_PAGES = 2, 1, 4, 1, 6, 3
+
+
+def inputs(kv_format="bf16", b=B, s_q=S_Q, h_q=H_Q, h_kv=H_KV):
+    key = jax.random.key(1)
+    latent = jax.random.normal(key, (BLOCKS, 64, h_kv, 576), jnp.float32).astype(jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(2), (b, s_q, h_q, 576), jnp.float32).astype(jnp.bfloat16)
+    extra = {}
+    if kv_format == "fp8_per_tensor":
+        q = q.astype(jnp.float8_e4m3fn)
+        extra = {"descale_q": jnp.float32(1.0), "descale_k": jnp.float32(0.5)}
+        cache = fm.quantize_kv_cache(latent, kv_format, scale=jnp.float32(0.5))
+    else:
+        cache = fm.quantize_kv_cache(latent, kv_format)
+    table = jnp.arange(b * MAX_PAGES, dtype=jnp.int32).reshape(b, MAX_PAGES) % BLOCKS
+    seqlens = jnp.array([130, 5][:b] + [7] * max(0, b - 2), jnp.int32)
+    return dict(q=q, k_cache=cache, block_table=table, cache_seqlens=seqlens, kv_format=kv_format, **extra)
+
+
+def call(**kw):
+    return fm.flash_mla_with_kvcache(**kw)
+
+
+def replace(kind="bf16", **changes):
+    kw = inputs(kind)
+    kw.update(changes)
+    return kw
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(kv_format="fp16"), ValueError, "kv_format must be one of"),
+    (dict(head_dim_v=576), ValueError, "head_dim_v must be 512"),
+    (dict(q=jnp.zeros((2, 1, 4, 512), jnp.bfloat16)), ValueError, "q last dim must be 576"),
+    (dict(q=jnp.zeros((2, 4, 576), jnp.bfloat16)), ValueError, "q must have rank 4"),
+    (dict(q=jnp.zeros((2, 1, 4, 576), jnp.float32)), TypeError, "q must have dtype bfloat16"),
+    (dict(k_cache=jnp.zeros((6, 32, 1, 576), jnp.bfloat16)), ValueError, "page size"),
+    (dict(k_cache=jnp.zeros((6, 64, 1, 656), jnp.bfloat16)), ValueError, "k_cache last dim must be 576"),
+    (dict(k_cache=jnp.zeros((6, 64, 1, 576), jnp.float16)), TypeError, "k_cache must have dtype bfloat16"),
+    (dict(k_cache=jnp.zeros((6, 64, 3, 576), jnp.bfloat16)), ValueError, "must be a multiple of num_heads_k"),
+    (dict(block_table=jnp.zeros((3, 3), jnp.int32)), ValueError, "block_table dim 0 must equal batch"),
+    (dict(block_table=jnp.zeros((2, 3), jnp.int64 if jax.config.x64_enabled else jnp.float32)), TypeError,
+     "block_table must have dtype int32"),
+    (dict(cache_seqlens=jnp.zeros((3,), jnp.int32)), ValueError, r"cache_seqlens must have shape \[2\]"),
+    (dict(cache_seqlens=jnp.array([1000, 1], jnp.int32)), ValueError, r"cache_seqlens must lie in \[0, 192\]"),
+    (dict(cache_seqlens=jnp.array([-1, 1], jnp.int32)), ValueError, "cache_seqlens must lie in"),
+    (dict(block_table=jnp.array([[0, 1, 99], [2, 3, 4]], jnp.int32)), ValueError, r"block_table\[0, 2\] = 99"),
+    (dict(descale_q=jnp.float32(1)), ValueError, "descale_q is only used with kv_format='fp8_per_tensor'"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive finite"),
+    (dict(causal=1), TypeError, "causal must be a Python bool"),
+    (dict(implementation="fast"), ValueError, "implementation must be one of"),
+])
+def test_bad_arguments_raise_naming_the_argument(changes, error, match):
+    with pytest.raises(error, match=match):
+        call(**replace(**changes))
+
+
+def test_unused_block_table_entries_may_be_garbage():
+    kw = inputs()
+    kw["block_table"] = kw["block_table"].at[1, 1:].set(2147480000)  # sequence 1 uses one page
+    out, lse = call(**kw)
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(descale_q=None), "descale_q is required"),
+    (dict(descale_k=jnp.ones((2,), jnp.float32)), r"descale_k must be a float32 scalar of shape \[\] or \[1\]"),
+    (dict(descale_k=jnp.ones((1,), jnp.bfloat16)), "descale_k must have dtype float32"),
+    (dict(q=jnp.zeros((2, 1, 4, 576), jnp.bfloat16)), "q must have dtype float8_e4m3fn"),
+])
+def test_fp8_per_tensor_argument_errors(changes, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(**replace("fp8_per_tensor", **changes))
+
+
+def test_metadata_errors():
+    kw = inputs()
+    with pytest.raises(ValueError, match="num_heads_k must be a positive Python int"):
+        fm.get_mla_metadata(kw["cache_seqlens"], 4, 0)
+    meta = fm.get_mla_metadata(jnp.array([5, 6, 7], jnp.int32), 4, 1)
+    with pytest.raises(ValueError, match=r"num_splits must have shape \[3\]"):
+        call(**kw, tile_scheduler_metadata=meta)
+    with pytest.raises(ValueError, match="num_splits was given without tile_scheduler_metadata"):
+        call(**kw, num_splits=meta.num_splits)
+
+
+def test_metadata_shape_and_flashmla_style_arguments():
+    kw = inputs()
+    meta = fm.get_mla_metadata(kw["cache_seqlens"], S_Q * H_Q // H_KV, H_KV, num_sms=132)
+    assert meta.tile_scheduler_metadata.shape == (132, 8) and meta.num_splits.shape == (B + 1,)
+    assert meta.tile_scheduler_metadata.dtype == jnp.int32 and meta.num_splits.dtype == jnp.int32
+    out_a, lse_a = call(**kw, tile_scheduler_metadata=meta)
+    out_b, lse_b = call(**kw, tile_scheduler_metadata=meta.tile_scheduler_metadata, num_splits=meta.num_splits)
+    np.testing.assert_array_equal(np.asarray(out_a, np.float32), np.asarray(out_b, np.float32))
+    np.testing.assert_array_equal(lse_a, lse_b)
+
+
+@pytest.mark.parametrize("kv_format", fm.KV_FORMATS)
+def test_jit_matches_eager_and_reference(kv_format):
+    kw = inputs(kv_format)
+    kind = kw.pop("kv_format")
+    scales = {k: kw.pop(k) for k in ("descale_q", "descale_k") if k in kw}
+    eager = call(**kw, kv_format=kind, **scales)
+    jitted = jax.jit(lambda kw, scales: call(**kw, kv_format=kind, **scales))(kw, scales)
+    ref = fm.mla_decode_reference(kw["q"], kw["k_cache"], kw["block_table"], kw["cache_seqlens"],
+                                  softmax_scale=576 ** -0.5, causal=False, kv_format=kind, **scales)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    if not fm.kernel_formats():  # off-GPU the API runs the reference itself
+        for a, b in zip(eager, ref):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert eager[0].shape == (B, S_Q, H_Q, 512) and eager[0].dtype == jnp.bfloat16
+    assert eager[1].shape == (B, H_Q, S_Q) and eager[1].dtype == jnp.float32
+
+
+def test_fp8_ds_mla_accepts_float8_view_of_the_bytes():
+    kw = inputs("fp8_ds_mla")
+    out_u8, _ = call(**kw)
+    kw["k_cache"] = jax.lax.bitcast_convert_type(kw["k_cache"], jnp.float8_e4m3fn)
+    out_f8, _ = call(**kw)
+    np.testing.assert_array_equal(np.asarray(out_u8, np.float32), np.asarray(out_f8, np.float32))
+
+
+def _decode_implementations(fn, *args):
+    """The `implementation` parameter of every decode primitive in fn's jaxpr."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [e.params["implementation"] for e in jaxpr.eqns if e.primitive.name == "jax_flash_mla_decode"]
+
+
+def test_reference_switch_argument_and_environment(monkeypatch):
+    kw = inputs()
+    kind = kw.pop("kv_format")
+    assert _decode_implementations(lambda kw: call(**kw, kv_format=kind), kw) == ["auto"]
+    assert _decode_implementations(lambda kw: call(**kw, kv_format=kind, implementation="reference"), kw) == [
+        "reference"]
+    monkeypatch.setenv(FORCE_REFERENCE_ENV, "1")
+    assert _decode_implementations(lambda kw: call(**kw, kv_format=kind), kw) == ["reference"]
+
+
+@pytest.mark.skipif(bool(fm.kernel_formats()), reason="a Hopper kernel is usable here")
+def test_kernel_request_without_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="implementation='kernel'"):
+        call(**inputs(), implementation="kernel")
+
+
+def test_grad_is_a_clear_error():
+    kw = inputs()
+    q = kw.pop("q").astype(jnp.float32)
+    with pytest.raises(NotImplementedError, match="no derivative"):
+        jax.grad(lambda q: call(q=q.astype(jnp.bfloat16), **kw)[1].sum())(q)
+
+
+def test_vmap_over_a_stack_of_queries():
+    kw = inputs()
+    qs = jnp.stack([kw["q"], -kw["q"]])
+    kw.pop("q")
+    outs, lses = jax.vmap(lambda q: call(q=q, **kw))(qs)
+    for i in range(2):
+        out, lse = call(q=qs[i], **kw)
+        np.testing.assert_array_equal(np.asarray(outs[i], np.float32), np.asarray(out, np.float32))
+        np.testing.assert_array_equal(lses[i], lse)
