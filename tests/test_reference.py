@@ -1,0 +1,140 @@
+"""mla_decode_reference against the float64 oracle (tests/oracle.py), for every cache format.
+
+Both sides read the same dequantized cache, so they may differ only by float32 accumulation and the bfloat16
+rounding of out: |out - oracle| <= 2^-8·|oracle| (bf16 unit roundoff) + 2^-14·max|V| (float32 slack), and
+|lse - oracle| <= 1e-4·(1 + |lse|).
+
+Coverage, sized for a 2-core CPU (each case compiles its own shapes):
+* full product of b ∈ {1, 3}, s_q ∈ {1, 2, 4}, causal, format, and the small head configs (h_q, h_kv) ∈
+  {(1, 1), (9, 1), (16, 1), (16, 2)};
+* for the large head configs (64 and 128 heads over 1 or 2 KV heads) every (heads, format) pair, with
+  (b, s_q, causal) rotating through four combinations so each appears with every head config;
+* the README §4 data sets (RoPE outliers, small latent) for every format on one mid-size shape.
+Lengths: b = 1 uses 77 (a partial page); b = 3 uses [130, 0, 1] (zero length mid-batch; 1 < s_q under causal leaves
+rows that see nothing) or [64, 5, 191] (a full page). Every cache holds NaN in its unused slots and pages, and
+every block table a garbage entry (2147480000) past the used pages.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flash_mla.formats import KV_FORMATS
+from jax_flash_mla.reference import mla_decode_reference
+from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode
+
+reference = jax.jit(mla_decode_reference, static_argnames=("softmax_scale", "causal", "kv_format"))
+
+SEQLENS = {1: [77], 3: [130, 0, 1]}
+SMALL_HEADS = [(1, 1), (9, 1), (16, 1), (16, 2)]
+LARGE_HEADS = [(64, 1), (64, 2), (128, 1), (128, 2)]
+LARGE_ROTATION = [(3, 2, True), (1, 1, False), (3, 4, True), (1, 4, False)]  # (b, s_q, causal)
+LARGE_CASES = [
+    (h_q, h_kv, kv_format, *LARGE_ROTATION[i % len(LARGE_ROTATION)])
+    for i, ((h_q, h_kv), kv_format) in enumerate(itertools.product(LARGE_HEADS, KV_FORMATS))
+]
+
+
+def run_and_check(inputs, causal, fn=reference):
+    args, kwargs = inputs.kernel_args()
+    out, lse = fn(*args, softmax_scale=SOFTMAX_SCALE, causal=causal, **kwargs)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    b, s_q, h_q, _ = inputs.q.shape
+    assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse)
+
+    want_out, want_lse = oracle_decode(
+        inputs.q64, inputs.kv64, inputs.block_table, inputs.cache_seqlens, SOFTMAX_SCALE, causal, inputs.h_kv
+    )
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    # Rows that see no key: lse exactly +inf and out exactly 0.
+    unseen = np.isinf(want_lse)  # [b, h_q, s_q]
+    np.testing.assert_array_equal(np.isinf(lse), unseen)
+    assert (lse[unseen] > 0).all()
+    assert (out.transpose(0, 2, 1, 3)[unseen] == 0).all()
+
+    v_max = np.abs(np.nan_to_num(inputs.kv64[..., :512], nan=0.0)).max()  # NaN marks the unused slots
+    np.testing.assert_allclose(out, want_out, rtol=2**-8, atol=2**-14 * v_max)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-4)
+    return out, lse
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h_q,h_kv", SMALL_HEADS)
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+@pytest.mark.parametrize("b", [1, 3])
+def test_small_heads(b, s_q, h_q, h_kv, causal, kv_format):
+    rng = np.random.default_rng([b, s_q, h_q, h_kv])
+    inputs = make_decode_inputs(rng, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=SEQLENS[b], kv_format=kv_format)
+    run_and_check(inputs, causal)
+
+
+@pytest.mark.parametrize("h_q,h_kv,kv_format,b,s_q,causal", LARGE_CASES)
+def test_large_heads(h_q, h_kv, kv_format, b, s_q, causal):
+    seqlens = [64, 5, 191] if b == 3 else [200]
+    inputs = make_decode_inputs(
+        np.random.default_rng(h_q + h_kv), b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=seqlens, kv_format=kv_format
+    )
+    run_and_check(inputs, causal)
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+@pytest.mark.parametrize("dist", ["rope_outliers", "small_latent"])
+def test_data_sets(dist, kv_format):
+    inputs = make_decode_inputs(
+        np.random.default_rng(7), b=3, s_q=2, h_q=16, h_kv=1, seqlens=[64, 5, 191], kv_format=kv_format, dist=dist
+    )
+    run_and_check(inputs, causal=True)
+
+
+def test_all_zero_lengths():
+    inputs = make_decode_inputs(np.random.default_rng(0), b=2, s_q=2, h_q=4, h_kv=1, seqlens=[0, 0], kv_format="bf16")
+    out, lse = run_and_check(inputs, causal=False)
+    assert (out == 0).all() and np.isposinf(lse).all()
+
+
+def test_descales_of_shape_1():
+    inputs = make_decode_inputs(
+        np.random.default_rng(1), b=3, s_q=2, h_q=16, h_kv=1, seqlens=[130, 0, 1],
+        kv_format="fp8_per_tensor", descale_shape=(1,),
+    )
+    assert inputs.descale_q.shape == inputs.descale_k.shape == (1,)
+    run_and_check(inputs, causal=True)
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_page_order_does_not_matter(kv_format):
+    """Moving every page in the pool (and its block_table entry with it) leaves the result bit-identical."""
+    inputs = make_decode_inputs(
+        np.random.default_rng(2), b=3, s_q=2, h_q=16, h_kv=2, seqlens=[130, 0, 191], kv_format=kv_format
+    )
+    args, kwargs = inputs.kernel_args()
+    shuffled = reference(*args, softmax_scale=SOFTMAX_SCALE, causal=True, **kwargs)
+
+    # new_position[p] = where page p moves: the used pages to the front in (sequence, page) order, i.e. a sorted table.
+    table = inputs.block_table
+    used = table[table < len(inputs.k_cache)]
+    order = np.concatenate([used, np.setdiff1d(np.arange(len(inputs.k_cache)), used)])
+    new_position = np.argsort(order).astype(np.int32)
+    sorted_table = np.where(table < len(inputs.k_cache), new_position[np.minimum(table, len(order) - 1)], table)
+    assert (sorted_table[sorted_table < len(order)] == np.arange(len(used))).all()
+    args = (args[0], jnp.asarray(inputs.k_cache[order]), jnp.asarray(sorted_table), args[3])
+    in_order = reference(*args, softmax_scale=SOFTMAX_SCALE, causal=True, **kwargs)
+
+    for got, want in zip(in_order, shuffled):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_jit_matches_eager(kv_format):
+    inputs = make_decode_inputs(
+        np.random.default_rng(3), b=3, s_q=4, h_q=9, h_kv=1, seqlens=[130, 0, 1], kv_format=kv_format
+    )
+    eager = run_and_check(inputs, causal=True, fn=mla_decode_reference)
+    jitted = run_and_check(inputs, causal=True)
+    for got, want in zip(jitted, eager):
+        np.testing.assert_array_equal(got, want)
