@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The one script the team runs on the GPU machine: repo root as cwd, $OUT a folder whose files come back.
+#   1. machine: nvidia-smi, Python and JAX versions
+#   2. the extension: the module carried in .carry/ (scripts/build_carry.sh, carry=[".carry"]) if there, else one
+#      already in jax_flash_mla/, else a build here (cmake; needs nanobind and CUTLASS headers, e.g. from .whl/)
+#   3. pytest -x -q tests with the GPU tests required (JAX_FLASH_MLA_REQUIRE_GPU=1: a skip becomes a failure)
+#   4. python -m jax_flash_mla.bench, if that module exists
+#   5. a summary table, printed last
+# The machine has no network: nothing is downloaded. Wheels carried in .whl/ are installed with --no-index.
+# Exit status: non-zero when any step failed.
+#
+# Environment (optional): PYTHON (default python3); PYTEST_ARGS (default "-x -q tests"); BENCH_ARGS (extra arguments
+# of jax_flash_mla.bench); SKIP_BENCH=1 or SKIP_TESTS=1 to leave a step out (one command may run 10 minutes at most).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-/tmp/jax_flash_mla_gpu_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+t0=$SECONDS
+declare -A status=()
+declare -a order=()
+record() { order+=("$1"); status[$1]=$2; }
+section() { echo; echo "==== $* ===="; }
+
+# --- 1. machine ---------------------------------------------------------------------------------------------------
+section machine
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+  gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+else
+  echo "nvidia-smi not found"
+  gpu="none (no nvidia-smi)"
+fi
+"$PY" -c "import sys, platform; print('python', sys.version.split()[0], platform.platform())"
+pyver=$("$PY" -c "import sys; print(sys.version.split()[0])")
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  section "carried wheels (.whl/)"
+  ls .whl/*.whl
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+jaxver=$("$PY" -c "import jax, jaxlib; print(f'jax {jax.__version__} / jaxlib {jaxlib.__version__}')" 2>&1 | tail -1)
+echo "$jaxver"
+"$PY" -c "import jax; print('devices:', jax.devices())" 2>&1 | tail -1
+
+# --- 2. the extension ---------------------------------------------------------------------------------------------
+section extension
+ext_src=none
+shopt -s nullglob
+carried=(.carry/jax_flash_mla/_jax_flash_mla*.so)
+present=(jax_flash_mla/_jax_flash_mla*.so)
+if ((${#carried[@]})); then
+  rm -f jax_flash_mla/_jax_flash_mla*.so
+  cp "${carried[@]}" jax_flash_mla/
+  ext_src="carried (.carry)"
+  [[ -f .carry/BUILD_INFO.txt ]] && cat .carry/BUILD_INFO.txt
+elif ((${#present[@]})); then
+  ext_src="already in jax_flash_mla/"
+elif command -v cmake > /dev/null; then
+  echo "no carried module: building with cmake (log: $OUT/build.log)"
+  gen=()
+  command -v ninja > /dev/null && gen=(-G Ninja)
+  if cmake -S . -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DJAX_FLASH_MLA_CUDA=ON \
+        -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" > "$OUT/build.log" 2>&1 &&
+     cmake --build build/gpu -j "$(nproc)" >> "$OUT/build.log" 2>&1; then
+    cp build/gpu/_jax_flash_mla*.so jax_flash_mla/
+    ext_src="built here (cmake)"
+  else
+    tail -30 "$OUT/build.log"
+    ext_src="cmake build FAILED"
+  fi
+else
+  echo "no carried module and no cmake: trying pip (log: $OUT/build.log)"
+  rm -rf /tmp/jfm_pip_build
+  if "$PY" -m pip install --no-build-isolation --no-deps --no-index --target /tmp/jfm_pip_build . \
+        > "$OUT/build.log" 2>&1; then
+    cp /tmp/jfm_pip_build/jax_flash_mla/_jax_flash_mla*.so jax_flash_mla/
+    ext_src="built here (pip)"
+  else
+    tail -30 "$OUT/build.log"
+    ext_src="pip build FAILED"
+  fi
+fi
+shopt -u nullglob
+echo "extension: $ext_src"
+ext_info=$("$PY" -c "
+import jax_flash_mla._ffi as f
+print('available' if f.extension_available() else 'NOT available (%s)' % f.unavailable_reason(),
+      '| formats:', ','.join(sorted(f.kernel_formats())) or '-', '| build:', f.build_info())" 2>&1 | tail -1)
+echo "$ext_info"
+if [[ $ext_info == available* ]]; then record extension ok; else record extension FAIL; fi
+
+# --- 3. tests -----------------------------------------------------------------------------------------------------
+if [[ ${SKIP_TESTS:-0} == 1 ]]; then
+  record pytest "skipped (SKIP_TESTS=1)"
+else
+  read -r -a pytest_args <<< "${PYTEST_ARGS:--x -q tests}"
+  section "pytest ${pytest_args[*]}"
+  t=$SECONDS
+  JAX_FLASH_MLA_REQUIRE_GPU=1 "$PY" -m pytest "${pytest_args[@]}" --junitxml="$OUT/pytest.xml" 2>&1 |
+    tee "$OUT/pytest.log"
+  rc=$?
+  tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)|no tests ran" "$OUT/pytest.log" | tail -1 | tr -d '=' |
+               xargs)
+  record pytest "$([[ $rc == 0 ]] && echo ok || echo "FAIL rc=$rc") | ${tests_line:-no summary line} | $((SECONDS - t)) s"
+fi
+
+# --- 4. benchmark -------------------------------------------------------------------------------------------------
+if [[ ${SKIP_BENCH:-0} == 1 ]]; then
+  record bench "skipped (SKIP_BENCH=1)"
+elif [[ -f jax_flash_mla/bench.py || -f jax_flash_mla/bench/__init__.py ]]; then
+  read -r -a bench_args <<< "${BENCH_ARGS:-}"
+  section "python -m jax_flash_mla.bench ${bench_args[*]}"
+  t=$SECONDS
+  "$PY" -m jax_flash_mla.bench "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
+  rc=$?
+  record bench "$([[ $rc == 0 ]] && echo ok || echo "FAIL rc=$rc") | log: bench.log | $((SECONDS - t)) s"
+else
+  record bench "skipped (no jax_flash_mla.bench)"
+fi
+
+# --- 5. summary ---------------------------------------------------------------------------------------------------
+failed=0
+for k in "${order[@]}"; do [[ ${status[$k]} == FAIL* ]] && failed=1; done
+{
+  echo
+  echo "==== summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $((SECONDS - t0)) s) ===="
+  printf '%-10s | %s\n' gpu "$gpu" python "$pyver" jax "$jaxver" module "$ext_src" ext "$ext_info"
+  for k in "${order[@]}"; do
+    printf '%-10s | %s\n' "$k" "${status[$k]}"
+  done
+  echo "files in \$OUT: $(cd "$OUT" && ls | xargs)"
+} | tee "$OUT/summary.txt"
+exit $failed
