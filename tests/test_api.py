@@ -131,9 +131,10 @@ def test_fp8_ds_mla_accepts_float8_view_of_the_bytes():
 
 
 def _decode_implementations(fn, *args):
-    """The `implementation` parameter of every decode primitive in fn's jaxpr."""
+    """The `implementation` parameter of every decode primitive (plain or partitioned) in fn's jaxpr."""
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return [e.params["implementation"] for e in jaxpr.eqns if e.primitive.name == "jax_flash_mla_decode"]
+    return [e.params["implementation"] for e in jaxpr.eqns
+            if e.primitive.name.startswith("jax_flash_mla") and "decode" in e.primitive.name]
 
 
 def test_reference_switch_argument_and_environment(monkeypatch):
