@@ -1,0 +1,86 @@
+// Named barriers and mbarrier helpers of the Hopper decode kernel.
+//
+// Named barriers (PTX "bar.sync") synchronize a subset of the CTA: only the
+// 256 consumer threads take part, the producer warp never waits on them.
+// Id 0 is __syncthreads(); ours start at 1 (16 exist per CTA).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace jax_flash_mla::sm90 {
+
+enum class NamedBarriers : int {
+  kQReady = 1,    // Q tile of the next chunk is in shared memory
+  kMaxReady = 2,  // both warpgroups published this page's row maxima
+  kPReady = 3,    // both halves of P are in shared memory (and stale V rows zeroed)
+  kSumReady = 4,  // both warpgroups published their partial row sums
+};
+
+__device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {
+  // "bar.sync a, b": b threads (a multiple of the warp size) must arrive.
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");
+}
+
+// Makes this thread's generic-proxy shared-memory writes (st.shared) visible
+// to the async proxy (WGMMA operand reads, TMA): PTX ISA "membar/fence",
+// fence.proxy.async. Each writing thread issues it before the barrier that
+// orders the writes with the consumer WGMMA.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier (PTX ISA "Parallel Synchronization and Communication
+// Instructions: mbarrier") -------------------------------------------------
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// Makes the initializations visible to the async proxy (TMA's complete_tx).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Arrives when `pred` holds. Predicated inside the asm rather than behind a
+// C++ branch: a divergent branch while a WGMMA is in flight makes ptxas
+// serialize the warpgroup's WGMMAs (warning C7518).
+__device__ __forceinline__ void mbarrier_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.b32 p, %1, 0;\n"
+      " @p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)),
+      "r"(int(pred))
+      : "memory");
+}
+
+// Arrives once and announces `bytes` of incoming async-copy transactions; the
+// phase completes when the arrival count and the byte count both drain.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+          smem_addr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+
+// Blocks until the phase with the given parity has completed. A freshly
+// initialized barrier is in phase 0, and "the phase before it" (parity 1)
+// counts as complete, so a producer can wait on parity 1 for free slots.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      " .reg .pred done;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+}  // namespace jax_flash_mla::sm90

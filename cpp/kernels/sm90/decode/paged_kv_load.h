@@ -1,0 +1,48 @@
+// Paged K/V tile loads: one page (64 tokens x 576 channels of one KV head) per
+// TMA transaction group, addressed through block_table.
+//
+// The cache [num_blocks, 64, h_kv, 576] is described to the TMA unit as a 4-D
+// tensor (channel, head, token-in-page, block), so a page of head hk is the box
+// {64 ch, 1, 64 tokens, 1} at coordinates {64c, hk, 0, block_table[b][page]};
+// nine boxes cover the 576 channels. Each box lands as a contiguous 8 KB slab
+// with the 128-byte swizzle that the WGMMA descriptors of Traits expect.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+
+#include "kernels/sm90/decode/named_barriers.h"
+
+namespace jax_flash_mla::sm90 {
+
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// cp.async.bulk.tensor (PTX ISA "Data Movement: cp.async.bulk.tensor"): the
+// copy signals completion on `bar` with complete_tx of the box's byte count.
+__device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Issues the nine channel slabs of one page into a K slot (K-major, 4096
+// elements per slab) and arms the slot's full barrier with the page's bytes.
+template <class Traits>
+__device__ __forceinline__ void load_kv_page(const CUtensorMap* map, uint64_t* full_bar,
+                                             typename Traits::Element* slot, int head_k, int block) {
+  mbarrier_arrive_expect_tx(full_bar, Traits::kKTileBytes);
+  constexpr int kSlabs = config::kHeadDimQK / 64;
+  constexpr int kSlabElems = config::kPageSize * 64;
+#pragma unroll
+  for (int c = 0; c < kSlabs; ++c) {
+    tma_load_4d(map, full_bar, slot + c * kSlabElems, c * 64, head_k, 0, block);
+  }
+}
+
+}  // namespace jax_flash_mla::sm90

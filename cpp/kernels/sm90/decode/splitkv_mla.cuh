@@ -1,0 +1,507 @@
+// Hopper (sm_90a) split-KV MLA decode: the kernel skeleton and its host
+// launcher, templated on the cache format through Traits<kFormat>.
+//
+// Grid:  (num_sm_parts, num_heads_k, num_m_blocks); block: 384 threads.
+//   blockIdx.x  partition ("SM part") of the scheduler metadata: a run of
+//               (batch, token range) chunks, DESIGN.md "Split-KV scheduling";
+//   blockIdx.y  KV head hk;  blockIdx.z  tile of 64 query rows of that head.
+// Warp roles:
+//   warps 0-3 (WG0), 4-7 (WG1)  consumers: S = Q K^T on their half of the page's
+//                               tokens, online softmax, O += P V on their half of
+//                               O's 512 columns;
+//   warps 8-11 (WG2)            producer: one lane walks the same chunks and
+//                               streams K pages by TMA into a 2-slot ring; the
+//                               warpgroup gives its registers to the consumers.
+// Per page the consumers meet at two named barriers: kMaxReady (row maxima
+// exchanged, so both halves of P share one scale) and kPReady (P complete in
+// shared memory). Slots are handed back through k_empty after the P V WGMMA
+// that read them retired (wgmma.wait_group).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "config.h"
+#include "params.h"
+#include "kernels/sm90/decode/named_barriers.h"
+#include "kernels/sm90/decode/paged_kv_load.h"
+#include "kernels/sm90/decode/softmax.h"
+#include "kernels/sm90/decode/splitkv_mla.h"
+#include "kernels/sm90/decode/traits.h"
+
+namespace jax_flash_mla::sm90 {
+
+// Everything the kernel needs, passed by value as one __grid_constant__
+// parameter: the TMA descriptor must live in param/const/global space
+// (PTX ISA "Tensor-map"), and a by-value copy is also what keeps the launch
+// CUDA-graph friendly (no device-side state).
+struct SplitKvArgs {
+  DecodeParams params;
+  CUtensorMap k_map;
+};
+
+// One (batch, token range) piece of a partition.
+struct Chunk {
+  int batch;
+  int seqlen;       // cache_seqlens[batch]
+  int begin_token;  // multiple of the page size
+  int end_token;    // exclusive
+  int split_idx;    // index among the sequence's splits
+};
+
+// Lengths are clamped to [0, block_table capacity]: under jit a bad length
+// cannot be rejected, and a page index past the table's row would read (and
+// TMA-load through) memory that is not this sequence's.
+template <class F>
+__device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const SchedMeta& meta, F&& f) {
+  const int capacity = p.max_blocks_per_seq * config::kPageSize;
+  for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
+    Chunk c;
+    c.batch = b;
+    c.seqlen = min(max(p.cache_seqlens[b], 0), capacity);
+    c.end_token = min(b == meta.end_batch ? meta.end_token : c.seqlen, c.seqlen);
+    c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_token);
+    c.split_idx = b == meta.begin_batch ? meta.begin_split_idx : 0;
+    f(c);
+  }
+}
+
+template <config::KvFormat kFormat>
+struct SplitKvMlaKernel {
+  using Tr = Traits<kFormat>;
+  using Element = typename Tr::Element;
+  using Plan = typename Tr::SharedMemoryPlan;
+  static constexpr int kBlockM = decode_cfg::kBlockM;
+  static constexpr int kBlockN = decode_cfg::kBlockN;
+  static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
+
+  // ---------------------------------------------------------------- producer
+  __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
+                                  int head_k) {
+    const DecodeParams& p = args.params;
+    int it = 0;  // pages issued by this CTA, across chunks (ring position)
+    for_each_chunk(p, meta, [&](const Chunk& c) {
+      const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
+      const int page_end = (c.end_token + kBlockN - 1) / kBlockN;  // never past the chunk's last page
+      for (int page = c.begin_token / kBlockN; page < page_end; ++page, ++it) {
+        const int stage = it % Tr::kNumStages;
+        const uint32_t phase = (it / Tr::kNumStages) & 1;
+        const int block = table[page];
+        mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
+        load_kv_page<Tr>(&args.k_map, &plan.k_full[stage], plan.k[stage], head_k, block);
+      }
+    });
+  }
+
+  // ------------------------------------------------------- Q tile of a chunk
+  // Row r of the tile is query token r / heads_per_head_k of head
+  // hk * heads_per_head_k + r % heads_per_head_k (params.h); rows past
+  // q_rows_per_head_k are zero-filled (their results are never stored).
+  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
+                                int ctid) {
+    using namespace cute;
+    Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
+    constexpr int kChunksPerRow = decode_cfg::kHeadDimQK / 8;  // 16-byte pieces
+    const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride;
+    for (int i = ctid; i < kBlockM * kChunksPerRow; i += kConsumers) {
+      const int row = i / kChunksPerRow;
+      const int col = (i % kChunksPerRow) * 8;
+      const int r = m_block * kBlockM + row;
+      const bool valid = r < p.q_rows_per_head_k;
+      const int s = valid ? r / p.heads_per_head_k : 0;
+      const int h = valid ? head_k * p.heads_per_head_k + r % p.heads_per_head_k : 0;
+      const Element* src = q + s * p.q_seq_stride + h * p.q_head_stride + col;
+      // cp.async with src-size 0 writes 16 zero bytes (PTX ISA "cp.async").
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                       smem_addr(raw_pointer_cast(&sQ(row, col)))),
+                   "l"(src), "r"(valid ? 16 : 0)
+                   : "memory");
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
+    named_barrier_sync(NamedBarriers::kQReady, kConsumers);
+  }
+
+  // --------------------------------------------------------------- consumer
+  __device__ static void consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
+                                  int head_k, int m_block, int wg, int tid) {
+    using namespace cute;
+    const DecodeParams& p = args.params;
+    typename Tr::TiledMmaQK mma_qk;
+    typename Tr::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+    const int ctid = wg * 128 + tid;
+    const int lane = tid % 32;
+
+    Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
+    Tensor sP = make_tensor(make_smem_ptr(plan.p), typename Tr::SmemLayoutP{});
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // (MMA, 1, 36) descriptors
+    Tensor tOrP = thr_pv.partition_fragment_A(sP);  // (MMA, 1, 4)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<decode_cfg::kBlockNPerWG>>{});
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kBlockNPerWG>>{}));
+    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
+    static_assert(size(tSrS) == decode_cfg::kBlockNPerWG / 2, "two rows x N/4 columns per thread");
+    // The two rows this thread holds (fragment row halves 0 and 1).
+    const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
+
+    // B operands of the two GEMMs in K slot `stage`: this WG's 32 tokens of
+    // the page for S, and this WG's 256 V channels for O.
+    auto k_operand = [&](int stage) {
+      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
+      return thr_qk.partition_fragment_B(
+          local_tile(sK, Shape<Int<decode_cfg::kBlockNPerWG>, Int<decode_cfg::kHeadDimQK>>{}, make_coord(wg, 0)));
+    };
+    auto v_operand = [&](int stage) {
+      Tensor sV = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutV{});
+      return thr_pv.partition_fragment_B(
+          local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
+    };
+    // Each consumer warp hands a K slot back once its share of the WGMMAs
+    // reading it has retired (k_empty counts 8 warp arrivals).
+    auto release = [&](int stage) {
+      __syncwarp();
+      mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
+    };
+
+    int it = 0;  // pages consumed by this CTA, across chunks (ring position)
+    for_each_chunk(p, meta, [&](const Chunk& c) {
+      load_q(p, plan, c.batch, head_k, m_block, ctid);
+
+      // Visible keys of each of this thread's rows within the chunk: tokens
+      // below `limit` (causal: query s of s_q sees keys [0, L - s_q + s]).
+      int limit[2];
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int r = m_block * kBlockM + rows[h];
+        limit[h] = c.end_token;
+        if (p.causal) limit[h] = min(limit[h], c.seqlen - p.seqlen_q + 1 + r / p.heads_per_head_k);
+      }
+      const int min_limit = p.causal ? min(c.end_token, c.seqlen - p.seqlen_q + 1) : c.end_token;
+
+      OnlineSoftmaxState softmax;
+      softmax.reset();
+      // O needs no clear: the chunk's first P V WGMMA runs with scale-d = 0
+      // (D = P V; the old accumulator is not read), and the epilogue selects
+      // zeros for rows without keys, so a chunk with no page never exposes it.
+
+      const int page_begin = c.begin_token / kBlockN;
+      const int page_end = (c.end_token + kBlockN - 1) / kBlockN;
+      for (int page = page_begin; page < page_end; ++page, ++it) {
+        const int stage = it % Tr::kNumStages;
+        mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
+
+        // S = Q K_wg^T over the 576 channels (36 k-steps of 16).
+        Tensor tSrK = k_operand(stage);
+        warpgroup_fence_operand(tSrS);
+        warpgroup_arrive();
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tSrQ); ++k) {
+          gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+          mma_qk.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+
+        const int tok0 = page * kBlockN + wg * decode_cfg::kBlockNPerWG;  // first token of this WG's half
+        if (page * kBlockN + kBlockN > min_limit) {
+          // Mask by selection, never by arithmetic: the scores of slots past the
+          // sequence may be NaN.
+          CUTE_UNROLL
+          for (int v = 0; v < size(tSrS); ++v) {
+            if (tok0 + int(get<1>(tScS(v))) >= limit[fragment_row_half(v)]) tSrS(v) = -INFINITY;
+          }
+        }
+        if (tok0 + decode_cfg::kBlockNPerWG > c.end_token) {
+          // Slots past the chunk's end get P = 0, but 0 * NaN = NaN in P V: zero
+          // their V rows (only this WG's tokens, whose S WGMMA has retired).
+          Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
+          const int first = max(c.end_token - tok0, 0);
+          const int n = (decode_cfg::kBlockNPerWG - first) * (decode_cfg::kHeadDimV / 8);
+          for (int i = tid; i < n; i += 128) {
+            const int t = wg * decode_cfg::kBlockNPerWG + first + i / (decode_cfg::kHeadDimV / 8);
+            const int ch = (i % (decode_cfg::kHeadDimV / 8)) * 8;
+            *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, ch))) = make_uint4(0, 0, 0, 0);
+          }
+          fence_proxy_async_smem();
+        }
+
+        // Exchange row maxima so both halves of P use one reference.
+        float page_max[2];
+        row_max(tSrS, page_max);
+        float(*xmax)[kBlockM] = plan.row_max[it & 1];
+        if ((lane & 3) == 0) {
+          xmax[wg][rows[0]] = page_max[0];
+          xmax[wg][rows[1]] = page_max[1];
+        }
+        named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
+        page_max[0] = fmaxf(page_max[0], xmax[wg ^ 1][rows[0]]);
+        page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
+
+        float o_scale[2];
+        softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);
+
+        // P (bf16) into this WG's 32 columns of the shared 64x64 tile.
+        CUTE_UNROLL
+        for (int v = 0; v < size(tSrS); v += 2) {
+          const int row = get<0>(tScS(v));
+          const int col = wg * decode_cfg::kBlockNPerWG + get<1>(tScS(v));
+          __nv_bfloat162 pair = __floats2bfloat162_rn(tSrS(v), tSrS(v + 1));
+          *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(row, col))) = pair;
+        }
+        // Row maxima settle after a few pages; skip the 128 multiplies when
+        // neither of this thread's rows moved (no WGMMA is in flight here).
+        if (o_scale[0] != 1.f || o_scale[1] != 1.f) {
+          CUTE_UNROLL
+          for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= o_scale[fragment_row_half(v)];
+        }
+        fence_proxy_async_smem();
+        named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+
+        // O_wg += P V_wg (4 k-steps of 16 tokens). Retired right away so the
+        // slot goes back to the producer as early as possible: the refill then
+        // overlaps a whole page of compute (S, softmax, P V of the next page)
+        // instead of the softmax alone. (Keeping P V in flight across the next
+        // S, with a wait_group 1 to release the slot, made ptxas serialize
+        // every WGMMA of the loop, C7514; with a wait_group 0 it delayed the
+        // release until the next S retired.)
+        Tensor tOrV = v_operand(stage);
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+        mma_pv.accumulate_ = page == page_begin ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tOrP); ++k) {
+          gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
+          mma_pv.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        release(stage);
+      }
+      epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows);
+    });
+  }
+
+  // --------------------------------------------------------------- epilogue
+  // A chunk that is its sequence's only split writes out (bf16) and lse
+  // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
+  template <class FragO, class CoordO>
+  __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k,
+                                  int m_block, int wg, int tid, const OnlineSoftmaxState& softmax,
+                                  FragO& tOrO, const CoordO& tOcO, const int (&rows)[2]) {
+    using namespace cute;
+    const int lane = tid % 32;
+    float sum[2] = {quad_allreduce_sum(softmax.sum[0]), quad_allreduce_sum(softmax.sum[1])};
+    if ((lane & 3) == 0) {
+      plan.row_sum[wg][rows[0]] = sum[0];
+      plan.row_sum[wg][rows[1]] = sum[1];
+    }
+    named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
+
+    const int split_begin = p.num_splits[c.batch];
+    const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
+    const int64_t accum_row0 =
+        (int64_t(split_begin + c.split_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
+
+    float inv[2], lse[2];
+    bool valid[2], seen[2];
+    int64_t out_off[2], lse_off[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float l = plan.row_sum[0][rows[h]] + plan.row_sum[1][rows[h]];
+      seen[h] = l > 0.f;
+      inv[h] = seen[h] ? 1.f / l : 0.f;
+      // No visible key: +inf for a final result, -inf for a partial that the
+      // combine must ignore (params.h).
+      lse[h] = l > 0.f ? softmax.max[h] * p.softmax_scale + logf(l) : (direct ? INFINITY : -INFINITY);
+      const int r = m_block * kBlockM + rows[h];
+      valid[h] = r < p.q_rows_per_head_k;
+      const int s = r / p.heads_per_head_k;
+      const int hq = head_k * p.heads_per_head_k + r % p.heads_per_head_k;
+      if (direct) {
+        out_off[h] = c.batch * p.out_batch_stride + s * p.out_seq_stride + hq * p.out_head_stride;
+        lse_off[h] = (int64_t(c.batch) * p.num_heads_q + hq) * p.seqlen_q + s;
+      } else {
+        out_off[h] = (accum_row0 + r) * config::kHeadDimV;
+        lse_off[h] = accum_row0 + r;
+      }
+    }
+    const int col0 = wg * decode_cfg::kHeadDimVPerWG;
+    if (direct) {
+      Element* out = static_cast<Element*>(p.out);
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrO); v += 2) {
+        const int h = fragment_row_half(v);
+        if (valid[h]) {
+          const int col = col0 + get<1>(tOcO(v));
+          // Select, not multiply: O is stale (never written) in a chunk without pages.
+          *reinterpret_cast<__nv_bfloat162*>(out + out_off[h] + col) =
+              seen[h] ? __floats2bfloat162_rn(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : __floats2bfloat162_rn(0.f, 0.f);
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrO); v += 2) {
+        const int h = fragment_row_half(v);
+        if (valid[h]) {
+          const int col = col0 + get<1>(tOcO(v));
+          *reinterpret_cast<float2*>(p.o_accum + out_off[h] + col) =
+              seen[h] ? make_float2(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : make_float2(0.f, 0.f);
+        }
+      }
+    }
+    if (wg == 0 && (lane & 3) == 0) {
+      float* dst = direct ? p.lse : p.lse_accum;
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h)
+        if (valid[h]) dst[lse_off[h]] = lse[h];
+    }
+  }
+
+  __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
+    const DecodeParams& p = args.params;
+    Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    const int warp = threadIdx.x / 32;
+    const int head_k = blockIdx.y;
+    const int m_block = blockIdx.z;
+
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < Tr::kNumStages; ++s) {
+        mbarrier_init(&plan.k_full[s], 1);
+        mbarrier_init(&plan.k_empty[s], kConsumers / 32);
+      }
+      fence_mbarrier_init();
+    }
+    if (threadIdx.x == kConsumers && p.num_blocks > 0) tma_prefetch_descriptor(&args.k_map);
+    __syncthreads();
+
+    // Programmatic dependent launch: everything above overlapped the previous
+    // kernel's tail; inputs (scheduler metadata included) are read only after
+    // it completed. Then let the combine kernel be scheduled early; it waits
+    // for this grid's completion itself (griddepcontrol.wait).
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+    const SchedMeta meta = p.sched_meta[blockIdx.x];
+    if (meta.begin_batch > meta.end_batch) return;  // empty partition
+
+    if (warp < kConsumers / 32) {
+      cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
+      consumer(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
+    } else {
+      cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
+      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
+    }
+  }
+};
+
+template <config::KvFormat kFormat>
+__global__ void __launch_bounds__(decode_cfg::kNumThreads, 1)
+    splitkv_mla_kernel(const __grid_constant__ SplitKvArgs args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  SplitKvMlaKernel<kFormat>::run(args, smem_raw);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for a GPU without sm_90a WGMMA / TMA
+#endif
+}
+
+// ------------------------------------------------------------------ host side
+
+namespace detail {
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("jax_flash_mla splitkv_mla: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point, so the
+// extension needs no link against libcuda. Resolved once per process.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult qres{};
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &qres),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (qres != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled not found in the driver");
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace detail
+
+// The cache as (channel, head, token-in-page, block); strides in bytes.
+template <config::KvFormat kFormat>
+CUtensorMap make_k_tensor_map(const DecodeParams& p) {
+  using Tr = Traits<kFormat>;
+  constexpr int kElemBytes = sizeof(typename Tr::Element);
+  CUtensorMap map;
+  if (p.num_blocks == 0) {
+    // No page can be loaded (every sequence is empty); the kernel never
+    // touches the map, and an encode of a 0-sized tensor would fail.
+    memset(&map, 0, sizeof(map));
+    return map;
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(config::kHeadDimQK), cuuint64_t(p.num_heads_k),
+                              cuuint64_t(config::kPageSize), cuuint64_t(p.num_blocks)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.k_head_stride) * kElemBytes, cuuint64_t(p.k_token_stride) * kElemBytes,
+                                 cuuint64_t(p.k_block_stride) * kElemBytes};
+  const cuuint32_t box[4] = {decode_cfg::kTmaBoxChannels, 1, cuuint32_t(config::kPageSize), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUresult r = detail::encode_tiled_fn()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +
+                             ")");
+  return map;
+}
+
+template <config::KvFormat kFormat>
+void run_splitkv_mla(const DecodeParams& params) {
+  using Tr = Traits<kFormat>;
+  if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
+  SplitKvArgs args;
+  args.params = params;
+  args.k_map = make_k_tensor_map<kFormat>(params);
+
+  auto kernel = &splitkv_mla_kernel<kFormat>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                     "cudaFuncSetAttribute");
+
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks);
+  cfg.blockDim = dim3(decode_cfg::kNumThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = params.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  detail::check_cuda(cudaLaunchKernelEx(&cfg, kernel, args), "launch");
+  detail::check_cuda(cudaGetLastError(), "launch (last error)");
+}
+
+}  // namespace jax_flash_mla::sm90

@@ -1,0 +1,130 @@
+// Per-cache-format traits of the Hopper split-KV decode kernel.
+//
+// The kernel skeleton (splitkv_mla.cuh) is written once; everything that
+// depends on how a token of the latent cache is stored lives here: element
+// types, bytes per token, the shared-memory layouts the WGMMAs read, the
+// TiledMMAs, the TMA box, and the SharedMemoryPlan.
+//
+// Tile vocabulary (per CTA, per KV head):
+//   Q  : 64 query rows x 576 channels, resident for one (batch, chunk).
+//   K  : one page = 64 tokens x 576 channels, streamed through kNumStages slots.
+//   V  : the first 512 channels of the same K slot (MLA shares the latent).
+//   P  : 64 rows x 64 tokens of softmax probabilities, exchanged between the
+//        two consumer warpgroups through shared memory.
+//
+// Work split between the two consumer warpgroups (WG0, WG1) for one page:
+//   S_w = Q . K[32w : 32w+32]^T      (64 x 32, K = 576)  -- no FLOP done twice
+//   O_w += P . V[:, 256w : 256w+256] (64 x 256, K = 64)  -- each WG owns half of O
+//
+// Future formats (fp8_per_tensor, fp8_ds_mla) specialize Traits<> with their
+// own element types / layouts; FP8 WGMMA needs K-major B operands, so those
+// traits will add a transposed V slot (kVNeedsTranspose) to the plan.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "config.h"
+
+namespace jax_flash_mla::sm90 {
+
+namespace decode_cfg {
+inline constexpr int kBlockM = config::kRowsPerTile;  // 64 query rows per CTA tile
+inline constexpr int kBlockN = config::kPageSize;     // 64 tokens per K tile (one page)
+inline constexpr int kHeadDimQK = config::kHeadDimQK; // 576
+inline constexpr int kHeadDimV = config::kHeadDimV;   // 512
+inline constexpr int kNumConsumerWGs = 2;
+inline constexpr int kNumConsumerThreads = kNumConsumerWGs * 128;
+// A producer warpgroup (WG2; one lane of warp 8 issues the TMA copies) after
+// the consumer warpgroups, which thus start at warp indices divisible by 4
+// (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply"). A whole warpgroup
+// rather than one warp because register reallocation (setmaxnreg) works per
+// warpgroup and ptxas budgets registers for whole warpgroups anyway.
+inline constexpr int kNumThreads = kNumConsumerThreads + 128;
+// setmaxnreg budget: 2 x 128 x 232 + 128 x 40 = 64512 <= 65536 registers.
+inline constexpr int kConsumerRegs = 232;
+inline constexpr int kProducerRegs = 40;
+// Each consumer WG computes S for half of the page's tokens ...
+inline constexpr int kBlockNPerWG = kBlockN / kNumConsumerWGs;        // 32
+// ... and owns half of O's columns.
+inline constexpr int kHeadDimVPerWG = kHeadDimV / kNumConsumerWGs;    // 256
+// TMA boxes are 64 channels wide: a 128-byte swizzle needs an inner box
+// extent of at most 128 bytes (cuTensorMapEncodeTiled, CU_TENSOR_MAP_SWIZZLE_128B).
+inline constexpr int kTmaBoxChannels = 64;
+}  // namespace decode_cfg
+
+template <config::KvFormat kFormat>
+struct Traits;  // specialized per cache format
+
+template <>
+struct Traits<config::KvFormat::kBf16> {
+  using Element = cutlass::bfloat16_t;   // q, k_cache, P
+  using ElementAccum = float;
+  static constexpr int kBytesPerToken = config::kHeadDimQK * 2;  // 1152
+  static constexpr int kNumStages = 2;
+  static constexpr bool kVNeedsTranspose = false;  // bf16 WGMMA reads MN-major B directly
+
+  // Q: (64 rows, 576 ch), K-major (channel contiguous), 128-byte swizzle.
+  // tile_to_shape stacks 8x64 swizzle atoms down the rows first, so each
+  // 64-channel slab is one contiguous 64x64 block of 8 KB -- exactly the
+  // shape one TMA box of a K page lands in.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  // K page: (64 tokens, 576 ch), the same K-major layout: B operand of S = Q K^T.
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  // V view of the same bytes: (512 ch, 64 tokens) with the channel (N of
+  // O = P V) contiguous, i.e. an MN-major B operand. The MN-major 128-byte
+  // atom is 64 ch x 8 tokens; stacking atoms along tokens first (Step<_2,_1>)
+  // reproduces the K-major addresses above: token t of slab c sits at
+  // c*4096 + t*64 (+ swizzle), in elements.
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kHeadDimV>, cute::Int<decode_cfg::kBlockN>>{},
+      cute::Step<cute::_2, cute::_1>{}));
+  // P: (64 rows, 64 tokens), K-major: A operand of O += P V.
+  using SmemLayoutP = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kBlockN>>{}));
+
+  // One warpgroup per TiledMMA (the two consumer WGs run their own copies).
+  using TiledMmaQK = decltype(cute::make_tiled_mma(
+      cute::SM90_64x32x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+  using TiledMmaPV = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{}));
+
+  static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
+  static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
+  static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
+  // Bytes the TMA delivers per page (one mbarrier transaction count).
+  static constexpr uint32_t kKTileBytes = kKElems * sizeof(Element);  // 73728
+
+  // 216 KB of tiles + 8 KB of P + 1.5 KB of row statistics + barriers:
+  // 225.6 KB, under the 227 KB a block may opt into on sm_90.
+  struct SharedMemoryPlan {
+    // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle
+    // pattern repeats every 8 rows of 128 bytes; TMA requires it too).
+    alignas(1024) Element q[kQElems];
+    alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element p[kPElems];
+    // Row maxima of the current page, per parity and warpgroup: double
+    // buffered so a WG may write page i+1's while the other still reads page i's.
+    float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    // Partial row sums at the end of a chunk, per warpgroup.
+    float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    alignas(8) uint64_t k_full[kNumStages];   // TMA landed (transaction barrier)
+    alignas(8) uint64_t k_empty[kNumStages];  // all 8 consumer warps done with the slot
+  };
+  // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
+  // more and round the base up.
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+};
+
+}  // namespace jax_flash_mla::sm90
