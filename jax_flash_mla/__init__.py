@@ -18,9 +18,10 @@ import numpy as np
 from . import _ffi, formats, sharding, validation
 from .formats import DS_MLA_BYTES_PER_TOKEN, HEAD_DIM_QK, HEAD_DIM_V, KV_FORMATS, PAGE_SIZE
 from .primitives import FORCE_REFERENCE_ENV, decode_p, hopper_devices_only, resolve_implementation, sched_meta_p
-from .quant import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
+from .quant import dequantize_kv_cache, quantize_kv_cache
 from .reference import mla_decode_reference
 from .scheduler import num_sm_parts as _num_sm_parts
+from .sharding import write_kv_cache
 
 __all__ = [
     "MlaMetadata", "get_mla_metadata", "flash_mla_with_kvcache", "quantize_kv_cache", "dequantize_kv_cache",
@@ -92,7 +93,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       cache_seqlens: int32 [batch].
       head_dim_v: must be 512.
       tile_scheduler_metadata: an MlaMetadata from get_mla_metadata (or FlashMLA-style: the metadata array, with
-        `num_splits` passed separately). Computed here when omitted.
+        `num_splits` passed separately). Computed here when omitted. Under jit with sharded inputs the metadata
+        is computed per shard and a passed one is ignored (jax_flash_mla.sharding).
       softmax_scale: defaults to 576 ** -0.5 (for every format).
       causal: with seqlen_q > 1, query i of a sequence of length L sees keys 0 .. L - seqlen_q + i.
       kv_format: "bf16", "fp8_per_tensor" or "fp8_ds_mla".

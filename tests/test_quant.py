@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax_flash_mla.formats import KV_FORMATS
-from jax_flash_mla.quant import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
+from jax_flash_mla import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
 from jax_flash_mla.reference import mla_decode_reference
 from oracle import GARBAGE_BLOCK, SOFTMAX_SCALE, decode_cache, oracle_decode
 

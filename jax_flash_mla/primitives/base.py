@@ -46,6 +46,12 @@ def cuda_kernel_usable(target_available: bool) -> bool:
     return target_available and hopper_devices_only()
 
 
+def sharding_free(ctx):
+    """ctx with sharding-free operand types, for lowering a jnp body with mlir.lower_fun: under explicit sharding
+    some jnp ops (cumsum, scatter) reject sharded operand types, and a primitive's body is single-device anyway."""
+    return ctx.replace(avals_in=[jax.core.ShapedArray(a.shape, a.dtype, a.weak_type) for a in ctx.avals_in])
+
+
 def _no_derivative(name):
     def jvp(primals, tangents, **params):
         raise NotImplementedError(f"{name} is a decode-only kernel and has no derivative; "
@@ -83,7 +89,7 @@ def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_ava
         if params["implementation"] == "kernel":
             raise ValueError(f"{name}: implementation='kernel' needs a CUDA sm_90 device; "
                              f"this computation is lowered for {ctx.module_context.platforms}")
-        return mlir.lower_fun(lambda *a: reference_fn(*a, **params), multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(lambda *a: reference_fn(*a, **params), multiple_results=True)(sharding_free(ctx), *args)
 
     def cuda_lowering(ctx, *args, **params):
         implementation = params["implementation"]
@@ -93,7 +99,7 @@ def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_ava
                              f"(extension built: {_ffi.extension_available()}, kernels built for "
                              f"{sorted(_ffi.kernel_formats())}, all CUDA devices sm_90: {hopper_devices_only()})")
         fn = kernel_fn if (implementation != "reference" and usable) else reference_fn
-        return mlir.lower_fun(lambda *a: fn(*a, **params), multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(lambda *a: fn(*a, **params), multiple_results=True)(sharding_free(ctx), *args)
 
     mlir.register_lowering(prim, default_lowering)
     mlir.register_lowering(prim, cuda_lowering, platform="cuda")
