@@ -4,13 +4,15 @@
 #   2. the extension: the module carried in .carry/ (scripts/build_carry.sh, carry=[".carry"]) if there, else one
 #      already in jax_flash_mla/, else a build here (cmake; needs nanobind and CUTLASS headers, e.g. from .whl/)
 #   3. pytest -x -q tests with the GPU tests required (JAX_FLASH_MLA_REQUIRE_GPU=1: a skip becomes a failure)
-#   4. python -m jax_flash_mla.bench, if that module exists
-#   5. a summary table, printed last
+#   4. python -m jax_flash_mla.bench; compute-sanitizer memcheck and racecheck (our kernels only) on
+#      tests/gpu_sanitize.py; python -m jax_flash_mla.accuracy; scripts/gpu_serving_check.py (if present)
+#   5. a summary table, printed last ($OUT brings back at most 8 files: keep the logs few)
 # The machine has no network: nothing is downloaded. Wheels carried in .whl/ are installed with --no-index.
 # Exit status: non-zero when any step failed.
 #
 # Environment (optional): PYTHON (default python3); PYTEST_ARGS (default "-x -q tests"); BENCH_ARGS (extra arguments
-# of jax_flash_mla.bench); SKIP_BENCH=1 or SKIP_TESTS=1 to leave a step out (one command may run 10 minutes at most).
+# of jax_flash_mla.bench); SERVING_ARGS (of scripts/gpu_serving_check.py); CARRY_DIR (default .carry); SKIP_TESTS, SKIP_SANITIZE, SKIP_ACCURACY, SKIP_SERVING,
+# SKIP_BENCH =1 to leave a step out (one command may run 10 minutes at most).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ section() { echo; echo "==== $* ===="; }
 # --- 1. machine ---------------------------------------------------------------------------------------------------
 section machine
 if command -v nvidia-smi > /dev/null; then
-  nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+  nvidia-smi 2>&1
   gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 else
   echo "nvidia-smi not found"
@@ -49,13 +51,14 @@ echo "$jaxver"
 section extension
 ext_src=none
 shopt -s nullglob
-carried=(.carry/jax_flash_mla/_jax_flash_mla*.so)
+carry_dir=${CARRY_DIR:-.carry}
+carried=("$carry_dir"/jax_flash_mla/_jax_flash_mla*.so)
 present=(jax_flash_mla/_jax_flash_mla*.so)
 if ((${#carried[@]})); then
   rm -f jax_flash_mla/_jax_flash_mla*.so
   cp "${carried[@]}" jax_flash_mla/
-  ext_src="carried (.carry)"
-  [[ -f .carry/BUILD_INFO.txt ]] && cat .carry/BUILD_INFO.txt
+  ext_src="carried ($carry_dir)"
+  [[ -f $carry_dir/BUILD_INFO.txt ]] && cat "$carry_dir/BUILD_INFO.txt"
 elif ((${#present[@]})); then
   ext_src="already in jax_flash_mla/"
 elif command -v cmake > /dev/null; then
@@ -99,7 +102,7 @@ else
   read -r -a pytest_args <<< "${PYTEST_ARGS:--x -q tests}"
   section "pytest ${pytest_args[*]}"
   t=$SECONDS
-  JAX_FLASH_MLA_REQUIRE_GPU=1 "$PY" -m pytest "${pytest_args[@]}" --junitxml="$OUT/pytest.xml" 2>&1 |
+  JAX_FLASH_MLA_REQUIRE_GPU=1 "$PY" -m pytest "${pytest_args[@]}" 2>&1 |
     tee "$OUT/pytest.log"
   rc=$?
   tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)|no tests ran" "$OUT/pytest.log" | tail -1 | tr -d '=' |
@@ -107,19 +110,32 @@ else
   record pytest "$([[ $rc == 0 ]] && echo ok || echo "FAIL rc=$rc") | ${tests_line:-no summary line} | $((SECONDS - t)) s"
 fi
 
-# --- 4. benchmark -------------------------------------------------------------------------------------------------
-if [[ ${SKIP_BENCH:-0} == 1 ]]; then
-  record bench "skipped (SKIP_BENCH=1)"
-elif [[ -f jax_flash_mla/bench.py || -f jax_flash_mla/bench/__init__.py ]]; then
+# --- 4. benchmark, compute-sanitizer, accuracy, serving ----------------------------------------------------------
+# (racecheck over the whole program instruments every XLA kernel and does not finish: it is filtered to ours.)
+run_step() {  # name, log file, seconds, command...
+  local name=$1 log=$2 limit=$3; shift 3
+  section "$name: $*"
+  local t=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"
+  local rc=$?
+  local tail_line
+  tail_line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|ok=" "$OUT/$log" | tail -1 | xargs)
+  record "$name" "$([[ $rc == 0 ]] && echo ok || echo "FAIL rc=$rc") | ${tail_line:-log: $log} | $((SECONDS - t)) s"
+}
+if [[ ${SKIP_BENCH:-0} != 1 ]]; then
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
-  section "python -m jax_flash_mla.bench ${bench_args[*]}"
-  t=$SECONDS
-  "$PY" -m jax_flash_mla.bench "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
-  rc=$?
-  record bench "$([[ $rc == 0 ]] && echo ok || echo "FAIL rc=$rc") | log: bench.log | $((SECONDS - t)) s"
-else
-  record bench "skipped (no jax_flash_mla.bench)"
+  run_step bench bench.log 420 "$PY" -m jax_flash_mla.bench --csv "$OUT/bench.csv" --png "$OUT/bench.png" \
+    "${bench_args[@]}"
 fi
+if [[ ${SKIP_SANITIZE:-0} != 1 ]] && command -v compute-sanitizer > /dev/null; then
+  run_step memcheck sanitize.log 150 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" tests/gpu_sanitize.py
+  run_step racecheck sanitize.log 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
+    --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py
+fi
+[[ ${SKIP_ACCURACY:-0} != 1 ]] &&
+  run_step accuracy accuracy.log 240 "$PY" -m jax_flash_mla.accuracy --csv "$OUT/accuracy.csv" --png /tmp/accuracy.png
+[[ ${SKIP_SERVING:-0} != 1 && -f scripts/gpu_serving_check.py ]] &&
+  run_step serving serving.log 300 "$PY" scripts/gpu_serving_check.py ${SERVING_ARGS:-}
 
 # --- 5. summary ---------------------------------------------------------------------------------------------------
 failed=0
@@ -132,5 +148,5 @@ for k in "${order[@]}"; do [[ ${status[$k]} == FAIL* ]] && failed=1; done
     printf '%-10s | %s\n' "$k" "${status[$k]}"
   done
   echo "files in \$OUT: $(cd "$OUT" && ls | xargs)"
-} | tee "$OUT/summary.txt"
+}
 exit $failed
