@@ -121,6 +121,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
 
     b = q.shape[0]
     implementation = resolve_implementation(implementation)
+    if (kv_format in formats.FP8_FORMATS and implementation != "reference" and hopper_devices_only()
+            and _ffi.build_info().get("fp8_disabled")):
+        raise ValueError(f"kv_format={kv_format!r}: this jax_flash_mla was built with JAX_FLASH_MLA_DISABLE_FP8=ON, "
+                         "so it has no FP8 kernels; rebuild without it, or pass implementation='reference'")
     meta = None  # None: computed inside the (possibly per-shard) decode for the shapes it sees
     if tile_scheduler_metadata is None:
         if num_splits is not None:

@@ -16,7 +16,8 @@ import warnings
 
 import jax
 
-KV_FORMATS = ("bf16", "fp8_per_tensor", "fp8_ds_mla")
+from .formats import check_kv_format
+
 TARGET_SCHED_META = "jax_flash_mla_sched_meta"
 _DECODE_PREFIX = "jax_flash_mla_decode_"
 DISABLE_ENV = "JAX_FLASH_MLA_DISABLE_KERNELS"
@@ -90,10 +91,7 @@ def unavailable_reason():
 
 def decode_target(kv_format) -> str:
     """FFI target name of the decode kernel for `kv_format` (whether or not it was built: see kernel_formats)."""
-    name = getattr(kv_format, "value", kv_format)
-    if name not in KV_FORMATS:
-        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-    return _DECODE_PREFIX + name
+    return _DECODE_PREFIX + check_kv_format(kv_format)
 
 
 def build_info() -> dict:
@@ -101,5 +99,5 @@ def build_info() -> dict:
     return dict(_ext.build_info()) if _ext is not None else {}
 
 
-__all__ = ["extension_available", "kernel_formats", "decode_target", "TARGET_SCHED_META", "KV_FORMATS",
+__all__ = ["extension_available", "kernel_formats", "decode_target", "TARGET_SCHED_META",
            "unavailable_reason", "build_info"]

@@ -169,3 +169,14 @@ def test_vmap_over_a_stack_of_queries():
         out, lse = call(q=qs[i], **kw)
         np.testing.assert_array_equal(np.asarray(outs[i], np.float32), np.asarray(out, np.float32))
         np.testing.assert_array_equal(lses[i], lse)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_per_tensor", "fp8_ds_mla"])
+def test_fp8_format_on_a_build_without_fp8_kernels_is_a_clear_error(monkeypatch, kv_format):
+    """On a Hopper GPU, a JAX_FLASH_MLA_DISABLE_FP8 build refuses FP8 formats rather than silently running jnp."""
+    monkeypatch.setattr(fm, "hopper_devices_only", lambda: True)
+    monkeypatch.setattr(fm._ffi, "build_info", lambda: {"fp8_disabled": True})
+    with pytest.raises(ValueError, match="JAX_FLASH_MLA_DISABLE_FP8"):
+        call(**inputs(kv_format))
+    out, _ = call(**inputs(kv_format), implementation="reference")
+    assert out.shape == (B, S_Q, H_Q, 512)
