@@ -4,8 +4,9 @@
 // The cache [num_blocks, 64, h_kv, 576] is described to the TMA unit as a 4-D
 // tensor (channel, head, token-in-page, block), so a page of head hk is the box
 // {64 ch, 1, 64 tokens, 1} at coordinates {64c, hk, 0, block_table[b][page]};
-// nine boxes cover the 576 channels. Each box lands as a contiguous 8 KB slab
-// with the 128-byte swizzle that the WGMMA descriptors of Traits expect.
+// nine boxes cover the 576 channels. Each box lands as a contiguous slab with
+// the swizzle that the WGMMA descriptors of Traits expect: 8 KB with the
+// 128-byte swizzle for bf16, 4 KB with the 64-byte swizzle for e4m3.
 #pragma once
 
 #include <cstdint>

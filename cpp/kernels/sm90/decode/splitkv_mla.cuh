@@ -10,12 +10,22 @@
 //                               tokens, online softmax, O += P V on their half of
 //                               O's 512 columns;
 //   warps 8-11 (WG2)            producer: one lane walks the same chunks and
-//                               streams K pages by TMA into a 2-slot ring; the
+//                               streams K pages by TMA into a kNumStages-slot ring; the
 //                               warpgroup gives its registers to the consumers.
 // Per page the consumers meet at two named barriers: kMaxReady (row maxima
 // exchanged, so both halves of P share one scale) and kPReady (P complete in
 // shared memory). Slots are handed back through k_empty after the P V WGMMA
 // that read them retired (wgmma.wait_group).
+//
+// Format differences come from Traits<kFormat>; the few code paths that
+// differ are `if constexpr` on its flags, so the bf16 kernel is unchanged:
+//   kVNeedsTranspose (fp8_per_tensor): FP8 WGMMA reads B only K-major, so each
+//     consumer WG transposes its 256 V channels of the page into V^T (while its
+//     S WGMMA runs) and zeroes the tokens past the chunk there, instead of
+//     zeroing them in the K slot; P is stored as e4m3.
+//   kUsesDescale: descale_q * descale_k (device scalars) fold into the softmax
+//     scale, and descale_k multiplies the output (partials too, so the combine
+//     stays format-agnostic); lse is of the scaled logits.
 #pragma once
 
 #include <cmath>
@@ -23,8 +33,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
@@ -110,11 +123,12 @@ struct SplitKvMlaKernel {
                                 int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
-    constexpr int kChunksPerRow = decode_cfg::kHeadDimQK / 8;  // 16-byte pieces
+    constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
+    constexpr int kChunksPerRow = decode_cfg::kHeadDimQK / kElemsPerChunk;  // 16-byte pieces
     const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride;
     for (int i = ctid; i < kBlockM * kChunksPerRow; i += kConsumers) {
       const int row = i / kChunksPerRow;
-      const int col = (i % kChunksPerRow) * 8;
+      const int col = (i % kChunksPerRow) * kElemsPerChunk;
       const int r = m_block * kBlockM + row;
       const bool valid = r < p.q_rows_per_head_k;
       const int s = valid ? r / p.heads_per_head_k : 0;
@@ -131,6 +145,72 @@ struct SplitKvMlaKernel {
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
   }
 
+  // ------------------------------------------------------- V^T (FP8 formats)
+  // Consumer WG `wg` writes V^T[c][t] = K[t][c] for its channels
+  // c in [256 wg, 256 wg + 256) and the page's 64 tokens, with zeros for tokens
+  // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
+  // and 0 * NaN = NaN in P V). Each thread moves two 8-token x 8-channel byte
+  // blocks: eight 8-byte loads (one per token), a byte transpose in registers
+  // (four 4x4 transposes of two __byte_perm stages each), eight 8-byte stores
+  // (one per channel). Lane (a, c8) = (lane / 8, lane % 8) of warp w takes the
+  // channel group 8 w + c8 and the token group (c8 + a + 4 k) % 8 in round k,
+  // so each warp access spreads evenly over the 64-byte swizzle pattern of
+  // both tiles (4 wavefronts per 256 bytes). Branch-free: it runs while this
+  // WG's S WGMMA is in flight. The writer's fence.proxy.async and kPReady
+  // order the stores before the P V WGMMA; the buffer alternates by page
+  // parity (Traits<kFp8PerTensor> says why one buffer would race).
+  // Addresses are 32-bit shared-window offsets from the layouts (ld/st.shared,
+  // no generic addressing); each 8-byte piece stays inside one 16-byte
+  // swizzle unit, so it is contiguous in both tiles.
+  __device__ static void transpose_v(const Element* k_slot, Element* vt, int wg, int tid, int valid) {
+    static_assert(sizeof(Element) == 1, "byte transpose");
+    const typename Tr::SmemLayoutK layout_k{};
+    const typename Tr::SmemLayoutV layout_vt{};
+    const uint32_t k_base = smem_addr(k_slot);
+    const uint32_t vt_base = smem_addr(vt);
+    const int lane = tid % 32;
+    const int c8 = lane % 8;
+    const int ch0 = wg * decode_cfg::kHeadDimVPerWG + ((tid / 32) * 8 + c8) * 8;
+    CUTE_UNROLL
+    for (int round = 0; round < 2; ++round) {
+      const int t0 = ((c8 + lane / 8 + 4 * round) % 8) * 8;
+      uint32_t r[8][2];
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        uint32_t w0, w1;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                     : "=r"(w0), "=r"(w1)
+                     : "r"(k_base + uint32_t(layout_k(t0 + i, ch0)))
+                     : "memory");  // stays after the k_full wait
+        const bool ok = t0 + i < valid;
+        r[i][0] = ok ? w0 : 0u;
+        r[i][1] = ok ? w1 : 0u;
+      }
+      uint32_t o[8][2];  // o[j][h]: channel ch0 + j, tokens t0 + 4h .. t0 + 4h + 3
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {    // token half
+        CUTE_UNROLL
+        for (int g = 0; g < 2; ++g) {  // channel half (word of the token row)
+          const uint32_t x0 = r[4 * h + 0][g], x1 = r[4 * h + 1][g];
+          const uint32_t x2 = r[4 * h + 2][g], x3 = r[4 * h + 3][g];
+          // Interleave rows pairwise (x0 x1 bytes 0,1 | 2,3), then pairs of pairs.
+          const uint32_t y0 = __byte_perm(x0, x1, 0x5140), y1 = __byte_perm(x0, x1, 0x7362);
+          const uint32_t y2 = __byte_perm(x2, x3, 0x5140), y3 = __byte_perm(x2, x3, 0x7362);
+          o[4 * g + 0][h] = __byte_perm(y0, y2, 0x5410);
+          o[4 * g + 1][h] = __byte_perm(y0, y2, 0x7632);
+          o[4 * g + 2][h] = __byte_perm(y1, y3, 0x5410);
+          o[4 * g + 3][h] = __byte_perm(y1, y3, 0x7632);
+        }
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(vt_base + uint32_t(layout_vt(ch0 + j, t0))),
+                     "r"(o[j][0]), "r"(o[j][1])
+                     : "memory");
+      }
+    }
+  }
+
   // --------------------------------------------------------------- consumer
   __device__ static void consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k, int m_block, int wg, int tid) {
@@ -142,6 +222,19 @@ struct SplitKvMlaKernel {
     auto thr_pv = mma_pv.get_thread_slice(tid);
     const int ctid = wg * 128 + tid;
     const int lane = tid % 32;
+    // fp8_per_tensor: logits are softmax_scale * descale_q * descale_k * q.k
+    // and the output carries descale_k (V shares K's scale). Read once per
+    // CTA from device memory. Without descales the params are used as they
+    // are (the bf16 kernel reads them where it always did).
+    float descale_qk = 1.f, out_scale = 1.f;
+    if constexpr (Tr::kUsesDescale) {
+      out_scale = __ldg(p.descale_k);
+      descale_qk = __ldg(p.descale_q) * out_scale;
+    }
+    auto logit_scale = [&] { return Tr::kUsesDescale ? p.softmax_scale * descale_qk : p.softmax_scale; };
+    auto logit_scale_log2 = [&] {
+      return Tr::kUsesDescale ? p.softmax_scale_log2 * descale_qk : p.softmax_scale_log2;
+    };
 
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     Tensor sP = make_tensor(make_smem_ptr(plan.p), typename Tr::SmemLayoutP{});
@@ -162,8 +255,14 @@ struct SplitKvMlaKernel {
       return thr_qk.partition_fragment_B(
           local_tile(sK, Shape<Int<decode_cfg::kBlockNPerWG>, Int<decode_cfg::kHeadDimQK>>{}, make_coord(wg, 0)));
     };
-    auto v_operand = [&](int stage) {
-      Tensor sV = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutV{});
+    auto v_operand = [&](int stage, int parity) {
+      Element* v_base;
+      if constexpr (Tr::kVNeedsTranspose) {
+        v_base = plan.vt[parity];
+      } else {
+        v_base = plan.k[stage];
+      }
+      Tensor sV = make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{});
       return thr_pv.partition_fragment_B(
           local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
     };
@@ -212,6 +311,9 @@ struct SplitKvMlaKernel {
           mma_qk.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
+        if constexpr (Tr::kVNeedsTranspose) {
+          transpose_v(plan.k[stage], plan.vt[it & 1], wg, tid, c.end_token - page * kBlockN);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
 
@@ -224,7 +326,7 @@ struct SplitKvMlaKernel {
             if (tok0 + int(get<1>(tScS(v))) >= limit[fragment_row_half(v)]) tSrS(v) = -INFINITY;
           }
         }
-        if (tok0 + decode_cfg::kBlockNPerWG > c.end_token) {
+        if (!Tr::kVNeedsTranspose && tok0 + decode_cfg::kBlockNPerWG > c.end_token) {
           // Slots past the chunk's end get P = 0, but 0 * NaN = NaN in P V: zero
           // their V rows (only this WG's tokens, whose S WGMMA has retired).
           Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
@@ -251,15 +353,23 @@ struct SplitKvMlaKernel {
         page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
 
         float o_scale[2];
-        softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);
+        softmax.update(tSrS, page_max, logit_scale_log2(), o_scale);
 
-        // P (bf16) into this WG's 32 columns of the shared 64x64 tile.
+        // P (bf16, or e4m3 unscaled since P <= 1) into this WG's 32 columns of
+        // the shared 64x64 tile. The row sums keep the fp32 P.
         CUTE_UNROLL
         for (int v = 0; v < size(tSrS); v += 2) {
           const int row = get<0>(tScS(v));
           const int col = wg * decode_cfg::kBlockNPerWG + get<1>(tScS(v));
-          __nv_bfloat162 pair = __floats2bfloat162_rn(tSrS(v), tSrS(v + 1));
-          *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(row, col))) = pair;
+          if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+            __nv_bfloat162 pair = __floats2bfloat162_rn(tSrS(v), tSrS(v + 1));
+            *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(row, col))) = pair;
+          } else {
+            static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
+            const __nv_fp8x2_storage_t pair =
+                __nv_cvt_float2_to_fp8x2(make_float2(tSrS(v), tSrS(v + 1)), __NV_SATFINITE, __NV_E4M3);
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(raw_pointer_cast(&sP(row, col))) = pair;
+          }
         }
         // Row maxima settle after a few pages; skip the 128 multiplies when
         // neither of this thread's rows moved (no WGMMA is in flight here).
@@ -277,7 +387,7 @@ struct SplitKvMlaKernel {
         // S, with a wait_group 1 to release the slot, made ptxas serialize
         // every WGMMA of the loop, C7514; with a wait_group 0 it delayed the
         // release until the next S retired.)
-        Tensor tOrV = v_operand(stage);
+        Tensor tOrV = v_operand(stage, it & 1);
         warpgroup_fence_operand(tOrO);
         warpgroup_arrive();
         mma_pv.accumulate_ = page == page_begin ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
@@ -291,17 +401,20 @@ struct SplitKvMlaKernel {
         warpgroup_fence_operand(tOrO);
         release(stage);
       }
-      epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows);
+      epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale(), out_scale);
     });
   }
 
   // --------------------------------------------------------------- epilogue
   // A chunk that is its sequence's only split writes out (bf16) and lse
   // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
+  // `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
+  // multiplies the output, in partials alike.
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k,
                                   int m_block, int wg, int tid, const OnlineSoftmaxState& softmax,
-                                  FragO& tOrO, const CoordO& tOcO, const int (&rows)[2]) {
+                                  FragO& tOrO, const CoordO& tOcO, const int (&rows)[2], float scale,
+                                  float out_scale) {
     using namespace cute;
     const int lane = tid % 32;
     float sum[2] = {quad_allreduce_sum(softmax.sum[0]), quad_allreduce_sum(softmax.sum[1])};
@@ -323,10 +436,14 @@ struct SplitKvMlaKernel {
     for (int h = 0; h < 2; ++h) {
       const float l = plan.row_sum[0][rows[h]] + plan.row_sum[1][rows[h]];
       seen[h] = l > 0.f;
-      inv[h] = seen[h] ? 1.f / l : 0.f;
+      if constexpr (Tr::kUsesDescale) {
+        inv[h] = seen[h] ? out_scale / l : 0.f;
+      } else {
+        inv[h] = seen[h] ? 1.f / l : 0.f;
+      }
       // No visible key: +inf for a final result, -inf for a partial that the
       // combine must ignore (params.h).
-      lse[h] = l > 0.f ? softmax.max[h] * p.softmax_scale + logf(l) : (direct ? INFINITY : -INFINITY);
+      lse[h] = l > 0.f ? softmax.max[h] * scale + logf(l) : (direct ? INFINITY : -INFINITY);
       const int r = m_block * kBlockM + rows[h];
       valid[h] = r < p.q_rows_per_head_k;
       const int s = r / p.heads_per_head_k;
@@ -341,7 +458,7 @@ struct SplitKvMlaKernel {
     }
     const int col0 = wg * decode_cfg::kHeadDimVPerWG;
     if (direct) {
-      Element* out = static_cast<Element*>(p.out);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);  // bf16 for every format
       CUTE_UNROLL
       for (int v = 0; v < size(tOrO); v += 2) {
         const int h = fragment_row_half(v);
@@ -468,8 +585,8 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p) {
   const cuuint32_t box[4] = {decode_cfg::kTmaBoxChannels, 1, cuuint32_t(config::kPageSize), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUresult r = detail::encode_tiled_fn()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      &map, Tr::kTmaDataType, 4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, Tr::kTmaSwizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +

@@ -16,12 +16,14 @@
 //   S_w = Q . K[32w : 32w+32]^T      (64 x 32, K = 576)  -- no FLOP done twice
 //   O_w += P . V[:, 256w : 256w+256] (64 x 256, K = 64)  -- each WG owns half of O
 //
-// Future formats (fp8_per_tensor, fp8_ds_mla) specialize Traits<> with their
-// own element types / layouts; FP8 WGMMA needs K-major B operands, so those
-// traits will add a transposed V slot (kVNeedsTranspose) to the plan.
+// Other formats specialize Traits<> with their own element types / layouts.
+// FP8 WGMMA reads B only K-major, so fp8_per_tensor (kVNeedsTranspose) adds
+// V^T buffers to its plan that the consumers fill from the K slot.
 #pragma once
 
 #include <cstdint>
+
+#include <cuda.h>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -67,6 +69,10 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kBytesPerToken = config::kHeadDimQK * 2;  // 1152
   static constexpr int kNumStages = 2;
   static constexpr bool kVNeedsTranspose = false;  // bf16 WGMMA reads MN-major B directly
+  static constexpr bool kUsesDescale = false;      // no descale_q / descale_k
+  // TMA element type and swizzle of the K boxes (64 channels = 128 bytes).
+  static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
 
   // Q: (64 rows, 576 ch), K-major (channel contiguous), 128-byte swizzle.
   // tile_to_shape stacks 8x64 swizzle atoms down the rows first, so each
@@ -123,6 +129,78 @@ struct Traits<config::KvFormat::kBf16> {
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+};
+
+// fp8_per_tensor: q and the cache are float8_e4m3fn, 576 bytes per token;
+// descale_q / descale_k are device scalars read by the consumers (README §2).
+//
+// Both GEMMs run as FP8 WGMMA (e4m3 x e4m3 -> f32, k = 32 per instruction),
+// which takes A and B from shared memory K-major only:
+//   S = Q K^T : Q and the K page as loaded are K-major (channel contiguous).
+//   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled since P <= 1) is
+//               K-major; V must be token-contiguous per channel, so each
+//               consumer WG transposes its 256 channels of the page into a
+//               V^T buffer (byte permutes, see transpose_v in the skeleton).
+// A row of one 64-channel box is 64 bytes, so every tile uses the 64-byte
+// swizzle (8 rows x 64 bytes atoms); nine boxes still cover the 576
+// channels, each landing as one contiguous 4 KB slab.
+//
+// Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 4096
+// + row statistics 1536 + barriers 48 (219136 with padding), plus 1 KB of
+// alignment slack: kSmemBytes = 220160 (215 KB of the 227 KB opt-in limit).
+// V^T is double buffered by page parity: the transpose of page i+1 starts
+// right after that page's S WGMMA is issued, when other warps of the same WG
+// may still be reading V^T of page i (a warp's wgmma.wait_group covers only
+// its own share of the P V WGMMA); page i+2 rewrites page i's buffer after
+// kPReady of page i+1, which every warp reaches after retiring page i's P V.
+template <>
+struct Traits<config::KvFormat::kFp8PerTensor> {
+  using Element = cutlass::float_e4m3_t;  // q, k_cache, P
+  using ElementAccum = float;
+  static constexpr int kBytesPerToken = config::kHeadDimQK;  // 576
+  static constexpr int kNumStages = 3;
+  static constexpr bool kVNeedsTranspose = true;
+  static constexpr bool kUsesDescale = true;
+  // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
+  static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
+
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  // V^T: (512 ch, 64 tokens), token contiguous (K-major B of O = P V); one
+  // 64-byte row per channel, the atoms stacked down the channels.
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kHeadDimV>, cute::Int<decode_cfg::kBlockN>>{}));
+  using SmemLayoutP = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kBlockN>>{}));
+
+  using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>{}));
+  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
+
+  static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
+  static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
+  static constexpr int kVtElems = decode_cfg::kHeadDimV * decode_cfg::kBlockN;
+  static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
+  static constexpr uint32_t kKTileBytes = kKElems * sizeof(Element);  // 36864
+
+  struct SharedMemoryPlan {
+    alignas(1024) Element q[kQElems];
+    alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element vt[2][kVtElems];  // by page parity; WG w fills channels 256w..256w+255
+    alignas(1024) Element p[kPElems];
+    float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    alignas(8) uint64_t k_full[kNumStages];
+    alignas(8) uint64_t k_empty[kNumStages];
+  };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
 };
