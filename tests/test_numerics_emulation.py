@@ -1,0 +1,77 @@
+"""Ties scripts/emulate_ds_mla_numerics.py (docs/NUMERICS.md) to the package: its data, floor and rounding helpers."""
+
+import importlib.util
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash_mla.quant import dequantize_kv_cache, quantize_kv_cache
+from jax_flash_mla.reference import mla_decode_reference
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "emulate_ds_mla_numerics.py"
+_spec = importlib.util.spec_from_file_location("emulate_ds_mla_numerics", _PATH)
+emu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(emu)
+
+B, T, H = 2, 256, 16
+
+
+def _data(dataset):
+    return emu.make_data(dataset, B, T, H, seed=0)
+
+
+def _dequantized(ke, ks, rope):
+    nope = (ke.reshape(*ke.shape[:-1], emu.NG, emu.GROUP) * ks[..., None]).reshape(*ke.shape)
+    return np.concatenate([nope, rope], axis=-1)
+
+
+def test_hand_decoded_cache_equals_package_dequantize():
+    _, tokens, ke, ks, rope = _data("rope_outliers")
+    want = np.asarray(dequantize_kv_cache(quantize_kv_cache(jnp.asarray(tokens, jnp.bfloat16), "fp8_ds_mla"),
+                                          "fp8_ds_mla", dtype=jnp.float32))
+    np.testing.assert_array_equal(_dequantized(ke, ks, rope), want)
+
+
+def test_floor_f0_equals_jnp_reference():
+    """F0 (float64, bf16 q, dequantized cache) is what mla_decode_reference computes, up to f32 / bf16 rounding."""
+    for dataset in emu.DATASETS:
+        q, tokens, _, _, _ = _data(dataset)
+        cache = quantize_kv_cache(jnp.asarray(tokens, jnp.bfloat16), "fp8_ds_mla")  # [B, T, 656]
+        pages = np.asarray(cache).reshape(B * T // 64, 64, 1, 656)
+        table = jnp.arange(B * T // 64, dtype=jnp.int32).reshape(B, T // 64)
+        out, lse = mla_decode_reference(jnp.asarray(q, jnp.bfloat16)[:, None], jnp.asarray(pages), table,
+                                        jnp.full((B,), T, jnp.int32), softmax_scale=emu.SOFTMAX_SCALE,
+                                        causal=False, kv_format="fp8_ds_mla")
+        out = np.asarray(out, np.float64)[:, 0]
+        lse = np.asarray(lse, np.float64)[:, :, 0]
+        for i in range(B):
+            _, _, ke, ks, rope = (x[i] for x in _data(dataset))
+            f0_out, f0_lse = emu.floor("F0", q[i], _dequantized(ke, ks, rope))
+            np.testing.assert_allclose(out[i], f0_out, rtol=2**-8, atol=2**-8 * np.abs(f0_out).max())
+            np.testing.assert_allclose(lse[i], f0_lse, rtol=0, atol=2e-5 * max(1.0, np.abs(f0_lse).max()))
+
+
+def test_accumulator_and_format_roundings():
+    # acc14: 14 significant bits, toward zero; rn14 to nearest.
+    x = np.array([1 + 2**-13, 1 + 2**-14, -(1 + 3 * 2**-15), 3.0])
+    np.testing.assert_array_equal(emu.cut(x, "acc14"), [1 + 2**-13, 1.0, -1.0, 3.0])
+    np.testing.assert_array_equal(emu.cut(x, "rn14"), [1 + 2**-13, 1.0, -(1 + 2**-13), 3.0])
+    np.testing.assert_array_equal(emu.cut(x, "exact"), x)
+    # e4m3 saturates (SATFINITE) instead of producing NaN; P_g = p * k_scale * 256 / max k_scale stays <= 256.
+    np.testing.assert_array_equal(emu.e4m3(np.array([500.0, -1e6, 2**-9, 2**-11])), [448.0, -448.0, 2**-9, 0.0])
+    np.testing.assert_array_equal(emu.pow2_ceil(np.array([0.25, 0.3, 1e-4])), [0.25, 0.5, 2.0**-13])
+
+
+def test_design_a_tracks_its_floor_on_a_small_problem():
+    """A (FP8 QK with promotion, P e4m3 folded per group) stays within 1.1x of F1, its precision's floor."""
+    q, tokens, ke, ks, rope = _data("gaussian")
+    num = {"A": 0.0, "F1": 0.0}
+    den = 0.0
+    for i in range(B):
+        truth, _ = emu.attention_f64(q[i], tokens[i])
+        kdeq = _dequantized(ke[i], ks[i], rope[i])
+        num["A"] += np.sum((emu.variant("A", q[i], ke[i], ks[i], rope[i], kdeq)[0] - truth) ** 2)
+        num["F1"] += np.sum((emu.floor("F1", q[i], kdeq)[0] - truth) ** 2)
+        den += np.sum(truth**2)
+    assert np.sqrt(num["A"] / den) <= 1.1 * np.sqrt(num["F1"] / den)
