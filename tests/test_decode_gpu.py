@@ -1,4 +1,4 @@
-"""The Hopper decode kernels (bf16, fp8_per_tensor) against the jnp reference, on an sm_90 GPU.
+"""The Hopper decode kernels (bf16, fp8_per_tensor, fp8_ds_mla) against the jnp reference, on an sm_90 GPU.
 
 Every test is parametrized by cache format; a format whose kernel was not built (JAX_FLASH_MLA_DISABLE_FP8) skips,
 and the whole module skips without a CUDA sm_90 device (CPU CI), unless JAX_FLASH_MLA_REQUIRE_GPU=1. The H200 runs
@@ -32,6 +32,15 @@ truncated the same way, the logit error stays ≤ 18·2^-14 ≈ 1.1e-3 of the ac
 errors are random), and lse ≥ the largest logit, so |Δlse| ≤ 4e-3·max(1, |lse|) holds with a margin of ~3 in the
 worst case. (The same logit error moves P by up to ~1e-3·|logit|, below the e4m3 rounding for |logits| < ~50.)
 
+Tolerances (fp8_ds_mla kernel vs the format's fp32 reference, which uses the bf16 q on the dequantized cache): the
+kernel (docs/NUMERICS.md, design A) also rounds q's NoPE channels to e4m3 per (row, 128 channels) and P to e4m3
+(scaled per group by k_scale·256/n_g, so P stays normal). The emulation puts that at rel-L2 ≈ 3.0e-2 / 1e-2 / 2.6e-2
+(gaussian / rope outliers / small latent: sqrt of F1² − F0² in NUMERICS.md) against the reference; the P rounding
+alone is bounded by 2^-4 per probability as for fp8_per_tensor. Bound: rel-L2 ≤ 6e-2, cosine difference ≤ 2e-3.
+lse moves with the q rounding (Fq − F0 in NUMERICS.md: max |Δlse| up to ~5e-3 gaussian, ≲ 5e-2 on the RoPE outliers,
+whose |lse| is large): |Δlse| ≤ 2e-2·max(1, |lse|). These are first estimates for a kernel not yet run on a GPU
+(it is opt-in, _ffi.UNVERIFIED_FORMATS; this module opts in); the first H200 run should confirm or tighten them.
+
 Against float64 on the UNquantized data (test_fp8_per_tensor_error_vs_unquantized_oracle) the error is the format's:
 per-tensor scales lose the NoPE channels' precision when RoPE carries outliers (README §4: 2.4e-1 emulated, 2.3e-1
 for FlashMLA PR #54's kernel). The test prints the measured rel-L2 and asserts it stays within 1.5x of those figures
@@ -60,22 +69,45 @@ from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode
 REQUIRE_GPU = os.environ.get("JAX_FLASH_MLA_REQUIRE_GPU") == "1"
 
 
+def _usable_formats():
+    """fm.kernel_formats() with the unverified kernels opted in (this module tests them)."""
+    old = os.environ.get(_ffi.UNVERIFIED_ENV)
+    os.environ[_ffi.UNVERIFIED_ENV] = "1"
+    try:
+        return fm.kernel_formats()
+    finally:
+        if old is None:
+            del os.environ[_ffi.UNVERIFIED_ENV]
+        else:
+            os.environ[_ffi.UNVERIFIED_ENV] = old
+
+
+USABLE = _usable_formats()
+
+
 def _runs(kv_format):
     """Whether the tests of kv_format run (else they skip)."""
-    if kv_format in fm.kernel_formats():
+    if kv_format in USABLE:
         return True
     return REQUIRE_GPU and not (kv_format != "bf16" and _ffi.build_info().get("fp8_disabled", False))
 
 
 pytestmark = pytest.mark.skipif(
-    not REQUIRE_GPU and not fm.kernel_formats(),
+    not REQUIRE_GPU and not USABLE,
     reason="needs a CUDA sm_90 device and a built decode kernel",
 )
+
+
+@pytest.fixture(autouse=True)
+def _opt_in_unverified_kernels(monkeypatch):
+    """Kernels in _ffi.UNVERIFIED_FORMATS (fp8_ds_mla) are opt-in; their tests are how they get verified."""
+    monkeypatch.setenv(_ffi.UNVERIFIED_ENV, "1")
 
 # Per format: cosine difference, rel-L2 of out (None: not checked), |Δlse| / max(1, |lse|). Module docstring.
 TOLS = {
     "bf16": dict(cos=1e-5, rel_l2=None, lse=1e-5),
     "fp8_per_tensor": dict(cos=2e-3, rel_l2=6e-2, lse=4e-3),
+    "fp8_ds_mla": dict(cos=2e-3, rel_l2=6e-2, lse=2e-2),
 }
 
 
@@ -252,3 +284,62 @@ def test_fp8_per_tensor_error_vs_unquantized_oracle(dist, capsys):
         print(f"\n[fp8_per_tensor vs float64, unquantized {dist}] rel-L2 {rel:.3e} (README §4: {expected:.1e}), "
               f"max |dlse| {dlse:.3e}")
     assert rel <= REGRESSION_FACTOR * expected, f"rel-L2 {rel:.3e} vs README {expected:.1e}"
+
+
+# docs/NUMERICS.md, design A: the F1 floor (q e4m3 per 128 channels, P e4m3; batch 16, 4096 tokens, 64 heads) and
+# A itself at 32768 tokens (batch 2), where a missing PV promotion shows (A-PV-noprom: 3.71e-2 / 4.41e-2).
+DS_MLA_F1 = {"gaussian": 3.54e-2, "rope_outliers": 3.01e-2, "small_latent": 3.74e-2}
+DS_MLA_A_32K = {"gaussian": 2.82e-2, "small_latent": 3.70e-2}
+DS_MLA_FACTOR, DS_MLA_CAP = 1.1, 4e-2
+
+
+def _ds_mla_vs_oracle(dist, b, seqlen, metadata_num_sms=None):
+    """rel-L2 and max |dlse| of the fp8_ds_mla kernel against float64 on the unquantized (bf16) data, plus the
+    rel-L2 against the format's jnp reference."""
+    h_q, seqlens = 64, np.full(b, seqlen, np.int32)
+    ds = make_decode_inputs(np.random.default_rng(13), b=b, s_q=1, h_q=h_q, h_kv=1, seqlens=seqlens,
+                            kv_format="fp8_ds_mla", dist=dist)
+    raw = make_decode_inputs(np.random.default_rng(13), b=b, s_q=1, h_q=h_q, h_kv=1, seqlens=seqlens,
+                             kv_format="bf16", dist=dist)
+    np.testing.assert_array_equal(ds.block_table, raw.block_table)
+    args, kwargs = ds.kernel_args()
+    meta = None
+    if metadata_num_sms is not None:
+        meta = fm.get_mla_metadata(args[3], h_q, 1, num_sms=metadata_num_sms)
+    out, lse = jax.block_until_ready(fm.flash_mla_with_kvcache(
+        *args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=False, implementation="kernel", **kwargs))
+    ref_out, _ = _run(ds, False, "reference")
+    out = np.asarray(out.astype(jnp.float32))
+    truth_out, truth_lse = oracle_decode(raw.q64, raw.kv64, raw.block_table, raw.cache_seqlens, SOFTMAX_SCALE,
+                                         False, 1)
+    rel = _rel_l2(out, truth_out)
+    dlse = float(np.abs(np.asarray(lse, np.float64) - truth_lse).max())
+    return rel, dlse, _rel_l2(out, np.asarray(ref_out.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "rope_outliers", "small_latent"])
+@pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
+def test_fp8_ds_mla_error_vs_unquantized_oracle(dist, capsys):
+    """The fp8_ds_mla kernel against float64 on the data before quantization, at NUMERICS.md's shape: within
+    1.1x the emulated F1 floor of the precision it computes in, and under 4e-2."""
+    rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=16, seqlen=4096)
+    with capsys.disabled():
+        print(f"\n[fp8_ds_mla vs float64, unquantized {dist}] rel-L2 {rel:.3e} (F1 {DS_MLA_F1[dist]:.2e}), "
+              f"max |dlse| {dlse:.3e}; vs the jnp reference {rel_ref:.3e}")
+    assert rel <= DS_MLA_FACTOR * DS_MLA_F1[dist], f"rel-L2 {rel:.3e} vs F1 {DS_MLA_F1[dist]:.2e}"
+    assert rel <= DS_MLA_CAP, f"rel-L2 {rel:.3e} > {DS_MLA_CAP}"
+    assert rel_ref <= TOLS["fp8_ds_mla"]["rel_l2"]
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "small_latent"])
+@pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
+def test_fp8_ds_mla_long_chunk_pv_promotion(dist, capsys):
+    """32768 tokens in ONE chunk (metadata for a single SM: no split-KV), 512 pages through one CTA: the per-page
+    PV promotion keeps the error at the 4096-token level, where an unpromoted FP8 accumulator drifts."""
+    rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=2, seqlen=32768, metadata_num_sms=1)
+    with capsys.disabled():
+        print(f"\n[fp8_ds_mla 32K tokens, one chunk, {dist}] rel-L2 {rel:.3e} (emulated A {DS_MLA_A_32K[dist]:.2e}), "
+              f"max |dlse| {dlse:.3e}; vs the jnp reference {rel_ref:.3e}")
+    assert rel <= DS_MLA_FACTOR * DS_MLA_A_32K[dist], f"rel-L2 {rel:.3e} vs A {DS_MLA_A_32K[dist]:.2e}"
+    assert rel <= DS_MLA_CAP
+    assert rel_ref <= TOLS["fp8_ds_mla"]["rel_l2"]

@@ -26,6 +26,10 @@
 //   kUsesDescale: descale_q * descale_k (device scalars) fold into the softmax
 //     scale, and descale_k multiplies the output (partials too, so the combine
 //     stays format-agnostic); lse is of the scaled logits.
+//   kScaleGroups (fp8_ds_mla): the producer loads eleven slabs per page
+//     (load_ds_page) and the consumers run consumer_ds (design A of
+//     docs/NUMERICS.md: q quantized in the prologue, per-group promoted QK and
+//     PV, P per output group); consumer() is not instantiated for it.
 #pragma once
 
 #include <cmath>
@@ -110,7 +114,11 @@ struct SplitKvMlaKernel {
         const uint32_t phase = (it / Tr::kNumStages) & 1;
         const int block = table[page];
         mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
-        load_kv_page<Tr>(&args.k_map, &plan.k_full[stage], plan.k[stage], head_k, block);
+        if constexpr (Tr::kScaleGroups) {
+          load_ds_page<Tr>(&args.k_map, &plan.k_full[stage], plan.k[stage], head_k, block);
+        } else {
+          load_kv_page<Tr>(&args.k_map, &plan.k_full[stage], plan.k[stage], head_k, block);
+        }
       }
     });
   }
@@ -405,6 +413,381 @@ struct SplitKvMlaKernel {
     });
   }
 
+  // ============================================ fp8_ds_mla (Tr::kScaleGroups)
+  // Design A of docs/NUMERICS.md; Traits<kFp8DsMla> has the arithmetic and the
+  // shared-memory plan. Only instantiated for that format.
+
+  // Q prologue: the 64 bf16 RoPE channels go to q_rope by cp.async; the 512
+  // NoPE channels are quantized to e4m3 per (row, 128-channel group) with the
+  // fp32 scale amax / 448 (1 for an all-zero group), q / scale rounded to
+  // nearest even and saturated. 256 consumer threads = 64 rows x 4 groups:
+  // thread (row, g) = (ctid / 4, ctid % 4) loads its 256 bytes, reduces, and
+  // writes 128 e4m3 bytes and q_scale[row][g]. Rows past q_rows_per_head_k are
+  // zeros (scale 1); their results are never stored.
+  __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
+                                   int ctid) {
+    using namespace cute;
+    static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
+    // Opaque to the compiler: the addresses below are recomputed per chunk
+    // rather than hoisted out of the chunk loop into registers (which spilled).
+    asm volatile("" : "+r"(ctid));
+    Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
+    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
+    auto row_src = [&](int row, bool& valid) {
+      const int r = m_block * kBlockM + row;
+      valid = r < p.q_rows_per_head_k;
+      const int s = valid ? r / p.heads_per_head_k : 0;
+      const int h = valid ? head_k * p.heads_per_head_k + r % p.heads_per_head_k : 0;
+      return q + s * p.q_seq_stride + h * p.q_head_stride;
+    };
+    constexpr int kRopePieces = Tr::kHeadDimRope / 8;  // 16-byte pieces per row
+    for (int i = ctid; i < kBlockM * kRopePieces; i += kConsumers) {
+      const int row = i / kRopePieces;
+      const int col = (i % kRopePieces) * 8;
+      bool valid;
+      const __nv_bfloat16* src = row_src(row, valid) + Tr::kHeadDimNope + col;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                       smem_addr(raw_pointer_cast(&sQR(row, col)))),
+                   "l"(src), "r"(valid ? 16 : 0)
+                   : "memory");
+    }
+    {
+      const int row = ctid / Tr::kNumGroups;
+      const int g = ctid % Tr::kNumGroups;
+      bool valid;
+      const uint4* src = reinterpret_cast<const uint4*>(row_src(row, valid) + g * Tr::kGroupChannels);
+      constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
+      // Two passes over the 256 bytes (the second hits L1), so only a few
+      // registers are live next to O, which stays live across chunks.
+      auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
+      auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
+      auto load = [&](int i) { return valid ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u); };
+      float amax = 0.f;
+      CUTE_UNROLL
+      for (int i = 0; i < kPieces; ++i) {
+        const uint4 x = load(i);
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
+      }
+      const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+      auto cvt4 = [&](uint32_t w0, uint32_t w1) {  // 4 bf16 -> 4 e4m3 bytes
+        const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fdiv_rn(lo(w0), scale), __fdiv_rn(hi(w0), scale)), __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fdiv_rn(lo(w1), scale), __fdiv_rn(hi(w1), scale)), __NV_SATFINITE, __NV_E4M3);
+        return uint32_t(a) | (uint32_t(b) << 16);
+      };
+      // SW64 e4m3 tile: channel c of row `row` is at slab c / 64 (4 KB each),
+      // byte row * 64 + (((c % 64) / 16) ^ ((row >> 1) & 3)) * 16 + c % 16.
+      // Computed here in 32 bits (a table of hoisted generic pointers spilled).
+      const uint32_t row_base =
+          smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kSlabBytes + row * 64);
+      const int sw = (row >> 1) & 3;
+      CUTE_UNROLL
+      for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
+        const uint4 x0 = load(i), x1 = load(i + 1);
+        const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
+                     "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
+                     : "memory");
+      }
+      plan.q_scale[row][g] = scale;
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
+    named_barrier_sync(NamedBarriers::kQReady, kConsumers);
+  }
+
+  // Shared-window address of the four fp32 scales of token t in a K slot. The
+  // scale slab is 64-byte swizzled like the others: the 16-byte unit of row t
+  // is unit 0 XOR ((t >> 1) & 3).
+  __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t) {
+    return slot_base + uint32_t(Tr::kScaleSlab * Tr::kSlabBytes + t * 64 + (((t >> 1) & 3) << 4));
+  }
+
+  __device__ static void consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
+                                     int m_block, int wg, int tid) {
+    using namespace cute;
+    using Rope = typename Tr::ElementRope;
+    constexpr int kGroups = Tr::kNumGroups;
+    constexpr int kNPerWG = decode_cfg::kBlockNPerWG;
+    const DecodeParams& p = args.params;
+    typename Tr::TiledMmaQKRope mma_rope;
+    typename Tr::TiledMmaQKNope mma_nope;
+    typename Tr::TiledMmaPV mma_pv;
+    auto thr_rope = mma_rope.get_thread_slice(tid);
+    auto thr_nope = mma_nope.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+    const int ctid = wg * 128 + tid;
+    const int lane = tid % 32;
+
+    // Q operand descriptors, rebuilt per page from a pointer the compiler
+    // cannot see through: hoisted out of the page loop, the twenty 64-bit
+    // descriptors stayed live next to O and made ptxas spill.
+    auto q_operands = [&] {
+      Element* q_nope = plan.q;
+      Rope* q_rope = plan.q_rope;
+      asm volatile("" : "+l"(q_nope), "+l"(q_rope));
+      Tensor sQ = make_tensor(make_smem_ptr(q_nope), typename Tr::SmemLayoutQ{});
+      Tensor sQR = make_tensor(make_smem_ptr(q_rope), typename Tr::SmemLayoutQRope{});
+      return cute::make_tuple(thr_nope.partition_fragment_A(sQ),   // (MMA, 1, 16) descriptors
+                              thr_rope.partition_fragment_A(sQR));  // (MMA, 1, 4)
+    };
+    Tensor tSrS = partition_fragment_C(mma_rope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+    // Two NoPE group accumulators: group g+1 (or g+2) runs while g is promoted.
+    Tensor tSrT0 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+    Tensor tSrT1 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+    Tensor tScS = thr_rope.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNPerWG>>{}));
+    // O: this WG's two output groups (2 wg, 2 wg + 1) of 128 channels as four
+    // 64-channel blocks, (MMA, 1, 4); block j belongs to group 2 wg + j / 2.
+    constexpr int kPVBlocks = decode_cfg::kHeadDimVPerWG / Tr::kPVBlockChannels;  // 4
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
+    Tensor tOrT = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<Tr::kPVBlockChannels>>{});
+    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
+    static_assert(size(tSrS) == kNPerWG / 2, "two rows x N/4 columns per thread");
+    static_assert(size(tSrT0) == size(tSrS), "QK accumulators share the m64n32 layout");
+    static_assert(size(tOrT) * kPVBlocks == size(tOrO), "four 64-channel blocks per WG");
+    static_assert(decode_cfg::kHeadDimVPerWG == 2 * Tr::kGroupChannels);
+    const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
+    // Value v of an m64n32 fragment is column 8 (v / 4) + 2 (lane % 4) + v % 2
+    // of the WG's 32 tokens; these byte offsets (from this thread's first
+    // token) locate its 8 tokens' scale rows. (t >> 1) & 3 = lane % 4 for all
+    // of them, so the swizzle unit is fixed per thread.
+    const int tok_first = wg * kNPerWG + int(get<1>(tScS(0)));  // within the page
+
+    auto k_nope = [&](int stage) {
+      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
+      return thr_nope.partition_fragment_B(
+          local_tile(sK, Shape<Int<kNPerWG>, Int<Tr::kHeadDimNope>>{}, make_coord(wg, 0)));  // (MMA, 1, 16)
+    };
+    auto k_rope = [&](int stage) {
+      Rope* base = reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeSlab * Tr::kSlabBytes);
+      Tensor sKR = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutKRope{});
+      return thr_rope.partition_fragment_B(
+          local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
+    };
+    auto release = [&](int stage) {
+      __syncwarp();
+      mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
+    };
+
+    // begin_split_idx is re-read from global memory at the epilogue: held in a
+    // register for the whole CTA it was the last value ptxas spilled.
+    SchedMeta walk = meta;
+    walk.begin_split_idx = 0;
+    int it = 0;
+    for_each_chunk(p, walk, [&](const Chunk& c) {
+      load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
+
+      OnlineSoftmaxState softmax;
+      softmax.reset();
+      // O is written (not accumulated) at the chunk's first page.
+
+      const int page_begin = c.begin_token / kBlockN;
+      const int page_end = (c.end_token + kBlockN - 1) / kBlockN;
+      for (int page = page_begin; page < page_end; ++page, ++it) {
+        const int stage = it % Tr::kNumStages;
+        const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
+        mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
+        const uint32_t slot = smem_addr(plan.k[stage]);
+        const uint32_t my_scales = ds_scale_addr(slot, tok_first);
+        // k_scale[t, g] of value v's token, 0 past the chunk (garbage there may be NaN).
+        auto k_scale = [&](int v, int g) {
+          const int dt = 8 * (v / 4) + (v % 2);  // token offset from tok_first
+          float x;
+          asm volatile("ld.shared.f32 %0, [%1];\n"
+                       : "=f"(x)
+                       : "r"(my_scales + uint32_t(dt * 64 + 4 * g))
+                       : "memory");
+          return tok_first + dt < valid ? x : 0.f;
+        };
+
+        // Issue: RoPE into S and NoPE group 0 into T0 (one batch), group 1 into T1.
+        Tensor tSrKN = k_nope(stage);
+        Tensor tSrKR = k_rope(stage);
+        auto q_ops = q_operands();
+        auto& tSrQ = cute::get<0>(q_ops);
+        auto& tSrQR = cute::get<1>(q_ops);
+        auto issue_group = [&](auto& T, int g) {
+          warpgroup_fence_operand(T);
+          warpgroup_arrive();
+          mma_nope.accumulate_ = GMMA::ScaleOut::Zero;
+          CUTE_UNROLL
+          for (int k = 0; k < Tr::kGroupChannels / 32; ++k) {
+            gemm(mma_nope, tSrQ(_, _, g * 4 + k), tSrKN(_, _, g * 4 + k), T);
+            mma_nope.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        };
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tSrT0);
+        warpgroup_arrive();
+        mma_rope.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tSrQR); ++k) {
+          gemm(mma_rope, tSrQR(_, _, k), tSrKR(_, _, k), tSrS);
+          mma_rope.accumulate_ = GMMA::ScaleOut::One;
+        }
+        mma_nope.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int k = 0; k < Tr::kGroupChannels / 32; ++k) {
+          gemm(mma_nope, tSrQ(_, _, k), tSrKN(_, _, k), tSrT0);
+          mma_nope.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        // The transpose's 32 temporaries while only S and T0 are in flight.
+        transpose_v(plan.k[stage], plan.vt[it & 1], wg, tid, valid);
+        issue_group(tSrT1, 1);
+
+        // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
+        // Every warp reduces all 64 tokens (two per lane) on its own.
+        float n[kGroups];
+        {
+          float4 s0, s1;
+          asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=f"(s0.x), "=f"(s0.y), "=f"(s0.z), "=f"(s0.w)
+                       : "r"(ds_scale_addr(slot, lane))
+                       : "memory");
+          asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=f"(s1.x), "=f"(s1.y), "=f"(s1.z), "=f"(s1.w)
+                       : "r"(ds_scale_addr(slot, lane + 32))
+                       : "memory");
+          const bool ok0 = lane < valid, ok1 = lane + 32 < valid;
+          n[0] = fmaxf(ok0 ? s0.x : 0.f, ok1 ? s1.x : 0.f);
+          n[1] = fmaxf(ok0 ? s0.y : 0.f, ok1 ? s1.y : 0.f);
+          n[2] = fmaxf(ok0 ? s0.z : 0.f, ok1 ? s1.z : 0.f);
+          n[3] = fmaxf(ok0 ? s0.w : 0.f, ok1 ? s1.w : 0.f);
+          CUTE_UNROLL
+          for (int g = 0; g < kGroups; ++g) {
+            CUTE_UNROLL
+            for (int off = 16; off > 0; off >>= 1) n[g] = fmaxf(n[g], __shfl_xor_sync(0xffffffffu, n[g], off));
+            n[g] = n[g] > 0.f ? n[g] : 1.f;  // scales are positive powers of two; guard anyway
+          }
+        }
+
+        // S += (q_scale[r, g] * k_scale[t, g]) * T_g, in fp32. q_scale is read
+        // from shared memory each time (8 fewer live registers next to O).
+        auto promote = [&](auto& T, int g) {
+          warpgroup_fence_operand(T);
+          const float qs[2] = {plan.q_scale[rows[0]][g], plan.q_scale[rows[1]][g]};
+          CUTE_UNROLL
+          for (int v = 0; v < size(tSrS); ++v) {
+            tSrS(v) += (qs[fragment_row_half(v)] * k_scale(v, g)) * T(v);
+          }
+        };
+        warpgroup_wait<1>();  // RoPE and group 0
+        warpgroup_fence_operand(tSrS);
+        promote(tSrT0, 0);
+        issue_group(tSrT0, 2);
+        warpgroup_wait<1>();  // group 1
+        promote(tSrT1, 1);
+        issue_group(tSrT1, 3);
+        warpgroup_wait<1>();  // group 2
+        promote(tSrT0, 2);
+        warpgroup_wait<0>();  // group 3
+        promote(tSrT1, 3);
+        warpgroup_fence_operand(tSrS);
+
+        // Visible keys per row (as in consumer()), recomputed per page from an
+        // opaque copy of the length: kept across the page loop, these three
+        // registers made ptxas spill next to O.
+        int limit[2];
+        int min_limit;
+        {
+          int seqlen = c.seqlen;
+          asm volatile("" : "+r"(seqlen));
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const int r = m_block * kBlockM + rows[h];
+            limit[h] = c.end_token;
+            if (p.causal) limit[h] = min(limit[h], seqlen - p.seqlen_q + 1 + r / p.heads_per_head_k);
+          }
+          min_limit = p.causal ? min(c.end_token, seqlen - p.seqlen_q + 1) : c.end_token;
+        }
+        const int tok0 = page * kBlockN + wg * kNPerWG;
+        if (page * kBlockN + kBlockN > min_limit) {
+          CUTE_UNROLL
+          for (int v = 0; v < size(tSrS); ++v) {
+            if (tok0 + int(get<1>(tScS(v))) >= limit[fragment_row_half(v)]) tSrS(v) = -INFINITY;
+          }
+        }
+
+        float page_max[2];
+        row_max(tSrS, page_max);
+        float(*xmax)[kBlockM] = plan.row_max[it & 1];
+        if ((lane & 3) == 0) {
+          xmax[wg][rows[0]] = page_max[0];
+          xmax[wg][rows[1]] = page_max[1];
+        }
+        named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
+        page_max[0] = fmaxf(page_max[0], xmax[wg ^ 1][rows[0]]);
+        page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
+
+        float o_scale[2];
+        softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
+
+        // P_g = e4m3(p * k_scale[t, g] * 256 / n_g) for all four groups of this WG's 32 tokens.
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          Tensor sP = make_tensor(make_smem_ptr(plan.p[g]), typename Tr::SmemLayoutP{});
+          const float f = __fdiv_rn(256.f, n[g]);  // a power of two when n_g is
+          CUTE_UNROLL
+          for (int v = 0; v < size(tSrS); v += 2) {
+            const int row = get<0>(tScS(v));
+            const int col = wg * kNPerWG + get<1>(tScS(v));
+            const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
+                make_float2(tSrS(v) * (k_scale(v, g) * f), tSrS(v + 1) * (k_scale(v + 1, g) * f)), __NV_SATFINITE,
+                __NV_E4M3);
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(raw_pointer_cast(&sP(row, col))) = pair;
+          }
+        }
+        // n_g / 256 of this WG's two output groups (n[2 wg + gl], without a
+        // dynamically indexed register array); the other two n die here.
+        const float fo[2] = {(wg == 0 ? n[0] : n[2]) * (1.f / 256.f), (wg == 0 ? n[1] : n[3]) * (1.f / 256.f)};
+        fence_proxy_async_smem();
+        named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+
+        // Per output group: T = P_g V_g (fresh), then O_g = O_g * o_scale + T * n_g / 256,
+        // one 64-channel block at a time.
+        CUTE_UNROLL
+        for (int j = 0; j < kPVBlocks; ++j) {
+          const int gl = j / 2;  // group 2 wg + gl
+          Tensor sP = make_tensor(make_smem_ptr(plan.p[2 * wg + gl]), typename Tr::SmemLayoutP{});
+          Tensor tOrP = thr_pv.partition_fragment_A(sP);  // (MMA, 1, 2)
+          Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
+          Tensor tOrV = thr_pv.partition_fragment_B(local_tile(
+              sV, Shape<Int<Tr::kPVBlockChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0)));  // (MMA, 1, 2)
+          warpgroup_fence_operand(tOrT);
+          warpgroup_arrive();
+          mma_pv.accumulate_ = GMMA::ScaleOut::Zero;
+          CUTE_UNROLL
+          for (int k = 0; k < size<2>(tOrP); ++k) {
+            gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrT);
+            mma_pv.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrT);
+          Tensor tOrOj = tOrO(_, _, j);
+          if (page == page_begin) {
+            CUTE_UNROLL
+            for (int v = 0; v < size(tOrT); ++v) tOrOj(v) = tOrT(v) * fo[gl];
+          } else {
+            CUTE_UNROLL
+            for (int v = 0; v < size(tOrT); ++v) {
+              tOrOj(v) = fmaf(tOrOj(v), o_scale[fragment_row_half(v)], tOrT(v) * fo[gl]);
+            }
+          }
+        }
+        release(stage);
+      }
+      Chunk ce = c;
+      ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+      epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
+    });
+  }
+
   // --------------------------------------------------------------- epilogue
   // A chunk that is its sequence's only split writes out (bf16) and lse
   // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
@@ -517,7 +900,11 @@ struct SplitKvMlaKernel {
 
     if (warp < kConsumers / 32) {
       cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
-      consumer(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
+      if constexpr (Tr::kScaleGroups) {
+        consumer_ds(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
+      } else {
+        consumer(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
+      }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
       if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
@@ -578,7 +965,8 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p) {
     memset(&map, 0, sizeof(map));
     return map;
   }
-  const cuuint64_t dims[4] = {cuuint64_t(config::kHeadDimQK), cuuint64_t(p.num_heads_k),
+  // Elements per token row: 576 for bf16 / fp8_per_tensor, 656 bytes for fp8_ds_mla.
+  const cuuint64_t dims[4] = {cuuint64_t(Tr::kBytesPerToken / kElemBytes), cuuint64_t(p.num_heads_k),
                               cuuint64_t(config::kPageSize), cuuint64_t(p.num_blocks)};
   const cuuint64_t strides[3] = {cuuint64_t(p.k_head_stride) * kElemBytes, cuuint64_t(p.k_token_stride) * kElemBytes,
                                  cuuint64_t(p.k_block_stride) * kElemBytes};

@@ -19,6 +19,8 @@
 // Other formats specialize Traits<> with their own element types / layouts.
 // FP8 WGMMA reads B only K-major, so fp8_per_tensor (kVNeedsTranspose) adds
 // V^T buffers to its plan that the consumers fill from the K slot.
+// fp8_ds_mla (kScaleGroups) has its own consumer in the skeleton; see its
+// specialization at the end of this file.
 #pragma once
 
 #include <cstdint>
@@ -70,6 +72,7 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kNumStages = 2;
   static constexpr bool kVNeedsTranspose = false;  // bf16 WGMMA reads MN-major B directly
   static constexpr bool kUsesDescale = false;      // no descale_q / descale_k
+  static constexpr bool kScaleGroups = false;      // fp8_ds_mla's per-group scales (design A)
   // TMA element type and swizzle of the K boxes (64 channels = 128 bytes).
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
@@ -163,6 +166,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumStages = 3;
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = true;
+  static constexpr bool kScaleGroups = false;
   // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
@@ -203,6 +207,120 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+};
+
+
+// fp8_ds_mla: 656-byte tokens (README §2 of shared/): bytes 0-511 e4m3 NoPE,
+// 512-527 four fp32 scales (scale g multiplies channels 128g..128g+127),
+// 528-655 64 bf16 RoPE. q arrives as bf16. Design A of docs/NUMERICS.md:
+//   - Q prologue (kScaleGroups): q NoPE is quantized to e4m3 per (row,
+//     128-channel group) with fp32 scale amax/448, RoPE stays bf16.
+//   - S = Q_rope K_rope^T (bf16 WGMMA, 4 k-steps) then per group g a fresh
+//     FP8 WGMMA T_g (4 k-steps of 32) promoted in fp32:
+//     S += (q_scale[r,g] * k_scale[t,g]) * T_g.
+//   - P per output group: P_g[t] = e4m3(p[t] * k_scale[t,g] * 256 / n_g),
+//     n_g the largest k_scale[., g] of the page's tokens in the chunk (a power
+//     of two, so the factor is exact); the row sum keeps the unrounded p.
+//   - O_g per page: T = P_g V_g (FP8 WGMMA, 2 k-steps, fresh), promoted
+//     O_g = O_g * o_scale + T * n_g / 256. V^T is transposed from the slot as
+//     for fp8_per_tensor.
+//
+// TMA: one uint8 map over (656 bytes, head, token-in-page, block) with the
+// 64-byte box and 64-byte swizzle of fp8_per_tensor; eleven boxes per page:
+// eight NoPE slabs at bytes 0..511, one slab at byte 512 whose first 16 bytes
+// per token are the scales (the other 48 duplicate RoPE and go unused), and
+// two RoPE slabs at bytes 528 and 592 (32 bf16 channels each; 592 + 64 = 656
+// ends exactly at the row). Each box is a contiguous 4 KB slab (64 tokens x
+// 64 bytes, SW64). A 64-byte-swizzled K-major bf16 tile of 64 x 64 is exactly
+// two such slabs, so the RoPE WGMMA reads slabs 9-10 directly.
+//
+// Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192
+// + K 2 x 45056 + V^T 2 x 32768 + P 4 x 4096 + q scales 1024 + row statistics
+// 1536 + barriers 32 (216064 with padding), plus 1 KB of alignment slack:
+// kSmemBytes = 217088 (212 KB of the 227 KB opt-in limit). A third stage
+// would add 44 KB (256 KB), so kNumStages = 2.
+template <>
+struct Traits<config::KvFormat::kFp8DsMla> {
+  using Element = cutlass::float_e4m3_t;  // quantized q NoPE, cache NoPE, P
+  using ElementRope = cutlass::bfloat16_t;
+  using ElementAccum = float;
+  static constexpr int kBytesPerToken = config::kDsMlaBytesPerToken;  // 656
+  static constexpr int kNumStages = 2;
+  static constexpr bool kVNeedsTranspose = true;
+  static constexpr bool kUsesDescale = false;
+  static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
+  static constexpr int kNumGroups = 4;        // 128-channel scale groups of the NoPE part
+  static constexpr int kGroupChannels = 128;
+  static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
+  static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
+  static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
+
+  // Slabs of a K slot: 64 tokens x 64 bytes each (4096 bytes).
+  static constexpr int kSlabBytes = decode_cfg::kBlockN * 64;
+  static constexpr int kNopeSlabs = kHeadDimNope / 64;  // 8, bytes 0..511
+  static constexpr int kScaleSlab = kNopeSlabs;         // 8, bytes 512..575 (scales in 512..527)
+  static constexpr int kRopeSlab = kNopeSlabs + 1;      // 9 and 10, bytes 528..655
+  static constexpr int kSlabs = kNopeSlabs + 3;         // 11
+  // TMA box origins (byte offsets within the token) of the slabs.
+  static constexpr int kScaleByte = kHeadDimNope;        // 512
+  static constexpr int kRopeByte = kHeadDimNope + 16;    // 528
+
+  // Q NoPE (64 rows, 512 ch) and the K slot's NoPE (64 tokens, 512 ch): e4m3, K-major, SW64.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<kHeadDimNope>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<kHeadDimNope>>{}));
+  // RoPE (64 rows / tokens, 64 bf16 ch): K-major SW64, 8 x 32-channel atoms
+  // stacked down the rows first, so channels 0-31 and 32-63 are two 4 KB slabs.
+  using SmemLayoutQRope = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<ElementRope>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<kHeadDimRope>>{}));
+  using SmemLayoutKRope = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<ElementRope>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<kHeadDimRope>>{}));
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kHeadDimV>, cute::Int<decode_cfg::kBlockN>>{}));
+  using SmemLayoutP = decltype(cute::tile_to_shape(
+      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
+      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kBlockN>>{}));
+
+  using TiledMmaQKRope = decltype(cute::make_tiled_mma(
+      cute::SM90_64x32x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+  using TiledMmaQKNope = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>{}));
+  // The skeleton's generic names (the consumer of this format uses the two above).
+  using TiledMmaQK = TiledMmaQKNope;
+  // A WG owns output groups 2w and 2w+1 (256 channels); each group runs as two
+  // 64-channel WGMMAs so the fresh temporary is 32 registers next to O's 128
+  // (a 64x128 temporary made ptxas spill under the 232-register budget).
+  static constexpr int kPVBlockChannels = 64;
+  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
+
+  static constexpr int kQElems = decode_cfg::kBlockM * kHeadDimNope;
+  static constexpr int kQRopeElems = decode_cfg::kBlockM * kHeadDimRope;
+  static constexpr int kKElems = kSlabs * kSlabBytes;  // bytes of a slot (e4m3 elements)
+  static constexpr int kVtElems = decode_cfg::kHeadDimV * decode_cfg::kBlockN;
+  static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
+  static constexpr uint32_t kKTileBytes = kKElems;  // 45056 bytes per page through TMA
+
+  struct SharedMemoryPlan {
+    alignas(1024) Element q[kQElems];
+    alignas(1024) ElementRope q_rope[kQRopeElems];
+    alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element vt[2][kVtElems];
+    alignas(1024) Element p[kNumGroups][kPElems];  // P_g, one tile per output group
+    float q_scale[decode_cfg::kBlockM][kNumGroups];
+    float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    alignas(8) uint64_t k_full[kNumStages];
+    alignas(8) uint64_t k_empty[kNumStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+  static_assert(kKElems % 1024 == 0, "slots stay 1024-byte aligned");
 };
 
 }  // namespace jax_flash_mla::sm90
