@@ -17,10 +17,9 @@ import numpy as np
 
 from . import _ffi, formats, sharding, validation
 from .formats import DS_MLA_BYTES_PER_TOKEN, HEAD_DIM_QK, HEAD_DIM_V, KV_FORMATS, PAGE_SIZE
-from .primitives import FORCE_REFERENCE_ENV, decode_p, hopper_devices_only, resolve_implementation, sched_meta_p
+from .primitives import FORCE_REFERENCE_ENV, hopper_devices_only, resolve_implementation, schedule
 from .quant import dequantize_kv_cache, quantize_kv_cache
 from .reference import mla_decode_reference
-from .scheduler import num_sm_parts as _num_sm_parts
 from .sharding import write_kv_cache
 
 __all__ = [
@@ -70,10 +69,9 @@ def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: i
     for name, value in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive Python int, got {value!r}")
-    parts = _num_sm_parts(num_sms or _default_num_sms(), int(num_q_tokens_per_head_k), int(num_heads_k))
-    cache_seqlens = jnp.asarray(cache_seqlens)
-    meta, splits = sched_meta_p.bind(cache_seqlens, num_sm_parts=parts,
-                                     implementation=resolve_implementation(implementation))
+    meta, splits = schedule(jnp.asarray(cache_seqlens), int(num_q_tokens_per_head_k), int(num_heads_k),
+                            num_sms=num_sms or _default_num_sms(),
+                            implementation=resolve_implementation(implementation))
     return MlaMetadata(meta, splits)
 
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-PAGE_SIZE = 64  # tokens per page (config::kPageSize)
+from .formats import PAGE_SIZE
+
 FIXED_OVERHEAD_PAGES = 5  # config::kSchedFixedOverheadPages: per-chunk cost of epilogue / combine
 ROWS_PER_TILE = 64  # query rows per CTA (config::kRowsPerTile)
 SCHED_META_INTS = 8  # ints per partition (config::kSchedMetaInts)

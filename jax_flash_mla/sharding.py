@@ -51,9 +51,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import quant, scheduler
+from . import quant
 from .formats import HEAD_DIM_V
-from .primitives import decode_p, sched_meta_p
+from .primitives import decode_p, schedule
 from .primitives.base import _batch_sequentially, _no_derivative, sharding_free
 
 __all__ = ["ReshardWarning", "decode", "write_kv_cache", "collectives_in", "COLLECTIVE_OPS"]
@@ -215,8 +215,7 @@ def _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, desc
     if meta is None:
         _, s_q, h_q, _ = q.shape
         h_kv = k_cache.shape[2]
-        parts = scheduler.num_sm_parts(num_sms, s_q * h_q // h_kv, h_kv)
-        meta = sched_meta_p.bind(cache_seqlens, num_sm_parts=parts, implementation=implementation)
+        meta = schedule(cache_seqlens, s_q * h_q // h_kv, h_kv, num_sms=num_sms, implementation=implementation)
     sched, splits = meta
     out, lse = decode_p.bind(q, k_cache, block_table, cache_seqlens, sched, splits, descale_q, descale_k,
                              softmax_scale=softmax_scale, causal=causal, kv_format=kv_format,

@@ -10,6 +10,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import formats
+from .scheduler import SCHED_META_INTS
 
 _INT32 = jnp.dtype(jnp.int32)
 _FLOAT32 = jnp.dtype(jnp.float32)
@@ -91,10 +92,10 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, *, kv_format, desc
 
 def check_sched_meta(sched_meta, num_splits, batch: int) -> None:
     """Scheduler metadata from get_mla_metadata for a batch of `batch` sequences."""
-    check_rank("tile_scheduler_metadata", sched_meta, 2, "[num_sm_parts, 8]")
+    check_rank("tile_scheduler_metadata", sched_meta, 2, f"[num_sm_parts, {SCHED_META_INTS}]")
     check_dtype("tile_scheduler_metadata", sched_meta, (_INT32,))
-    if sched_meta.shape[1] != 8 or sched_meta.shape[0] < 1:
-        raise ValueError(f"tile_scheduler_metadata must have shape [num_sm_parts, 8], got {tuple(sched_meta.shape)}")
+    if sched_meta.shape[1] != SCHED_META_INTS or sched_meta.shape[0] < 1:
+        raise ValueError(f"tile_scheduler_metadata must have shape [num_sm_parts, {SCHED_META_INTS}], got {tuple(sched_meta.shape)}")
     check_rank("num_splits", num_splits, 1, "[batch + 1]")
     check_dtype("num_splits", num_splits, (_INT32,))
     if num_splits.shape[0] != batch + 1:

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flash_mla as fm
-from jax_flash_mla import quant, scheduler, sharding
+from jax_flash_mla import quant, sharding
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices: XLA_FLAGS="
@@ -186,22 +186,22 @@ def test_checks_can_fail():
 
 
 class _Recorder:
-    """Stands in for sched_meta_p inside jax_flash_mla.sharding: records the cache_seqlens shapes it schedules."""
+    """Stands in for `schedule` inside jax_flash_mla.sharding: records the cache_seqlens shapes it schedules and the
+    query rows per KV head it balances."""
 
     def __init__(self):
         self.shapes, self.rows = [], []
 
-    def bind(self, cache_seqlens, **params):
+    def __call__(self, cache_seqlens, rows, h_kv, **params):
         self.shapes.append(tuple(cache_seqlens.shape))
-        return fm.primitives.sched_meta_p.bind(cache_seqlens, **params)
+        self.rows.append(rows)
+        return fm.primitives.schedule(cache_seqlens, rows, h_kv, **params)
 
 
 @pytest.fixture
 def recorder(monkeypatch):
     rec = _Recorder()
-    real = scheduler.num_sm_parts
-    monkeypatch.setattr(sharding, "sched_meta_p", rec)
-    monkeypatch.setattr(scheduler, "num_sm_parts", lambda n, rows, h_kv: rec.rows.append(rows) or real(n, rows, h_kv))
+    monkeypatch.setattr(sharding, "schedule", rec)
     return rec
 
 

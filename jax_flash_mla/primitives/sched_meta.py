@@ -6,9 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _ffi, scheduler, validation
+from ..scheduler import SCHED_META_INTS
 from .base import make_primitive
-
-SCHED_META_INTS = 8
 
 
 def _abstract(cache_seqlens, *, num_sm_parts, implementation):
@@ -34,4 +33,13 @@ sched_meta_p = make_primitive(
     "jax_flash_mla_sched_meta", _abstract, _reference, _kernel,
     kernel_available=lambda **_: _ffi.extension_available())
 
-__all__ = ["sched_meta_p", "SCHED_META_INTS"]
+
+
+def schedule(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: int, *, num_sms: int, implementation: str):
+    """(sched_meta, num_splits) balanced over `num_sms` SMs: the one place the partition count is derived, for
+    get_mla_metadata and for the per-shard decode alike."""
+    parts = scheduler.num_sm_parts(num_sms, num_q_tokens_per_head_k, num_heads_k)
+    return tuple(sched_meta_p.bind(cache_seqlens, num_sm_parts=parts, implementation=implementation))
+
+
+__all__ = ["sched_meta_p", "schedule", "SCHED_META_INTS"]
