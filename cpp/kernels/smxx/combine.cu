@@ -16,13 +16,12 @@
 #include "kernels/smxx/combine.h"
 
 #include <cmath>
-#include <stdexcept>
-#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "config.h"
+#include "kernels/launch.h"
 
 namespace jax_flash_mla {
 namespace {
@@ -102,20 +101,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) combine_kernel(const __gr
 void run_combine(const DecodeParams& params) {
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   const int rows = params.num_heads_k * params.q_rows_per_head_k;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch);
-  cfg.blockDim = dim3(kWarpsPerBlock * 32);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = params.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, combine_kernel, params);
-  if (e == cudaSuccess) e = cudaGetLastError();
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("jax_flash_mla combine: launch: ") + cudaGetErrorString(e));
+  launch_with_pdl(combine_kernel, dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch),
+                  dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
 }
 
 }  // namespace jax_flash_mla

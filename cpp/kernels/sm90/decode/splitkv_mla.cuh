@@ -49,6 +49,7 @@
 
 #include "config.h"
 #include "params.h"
+#include "kernels/launch.h"
 #include "kernels/sm90/decode/named_barriers.h"
 #include "kernels/sm90/decode/paged_kv_load.h"
 #include "kernels/sm90/decode/softmax.h"
@@ -927,11 +928,6 @@ __global__ void __launch_bounds__(decode_cfg::kNumThreads, 1)
 
 namespace detail {
 
-inline void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("jax_flash_mla splitkv_mla: ") + what + ": " + cudaGetErrorString(e));
-}
-
 // cuTensorMapEncodeTiled through the runtime's driver entry point, so the
 // extension needs no link against libcuda. Resolved once per process.
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -943,7 +939,7 @@ inline EncodeTiledFn encode_tiled_fn() {
     void* ptr = nullptr;
     cudaDriverEntryPointQueryResult qres{};
     check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &qres),
-               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+               "splitkv_mla", "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
     if (qres != cudaDriverEntryPointSuccess || ptr == nullptr)
       throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled not found in the driver");
     return reinterpret_cast<EncodeTiledFn>(ptr);
@@ -992,21 +988,10 @@ void run_splitkv_mla(const DecodeParams& params) {
 
   auto kernel = &splitkv_mla_kernel<kFormat>;
   constexpr int kSmem = Tr::kSmemBytes;
-  detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-                     "cudaFuncSetAttribute");
-
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks);
-  cfg.blockDim = dim3(decode_cfg::kNumThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = params.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  detail::check_cuda(cudaLaunchKernelEx(&cfg, kernel, args), "launch");
-  detail::check_cuda(cudaGetLastError(), "launch (last error)");
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "splitkv_mla",
+             "cudaFuncSetAttribute");
+  launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
+                  dim3(decode_cfg::kNumThreads), kSmem, params.stream, "splitkv_mla", args);
 }
 
 }  // namespace jax_flash_mla::sm90
