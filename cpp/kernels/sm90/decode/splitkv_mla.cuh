@@ -220,6 +220,54 @@ struct SplitKvMlaKernel {
     }
   }
 
+  // ------------------------------------------ per-page steps of both consumers
+  // Each consumer warp hands a K slot back once its share of the WGMMAs
+  // reading it has retired (k_empty counts 8 warp arrivals).
+  __device__ static void release_slot(Plan& plan, int stage, int lane) {
+    __syncwarp();
+    mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
+  }
+
+  // Visible keys of this thread's two rows within the chunk: tokens below
+  // limit[h] (causal: query s of s_q sees keys [0, L - s_q + s]). Returns the
+  // tile's smallest limit: pages below it need no mask.
+  __device__ static int visible_limits(const DecodeParams& p, const Chunk& c, int seqlen, int m_block,
+                                       const int (&rows)[2], int (&limit)[2]) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = m_block * kBlockM + rows[h];
+      limit[h] = c.end_token;
+      if (p.causal) limit[h] = min(limit[h], seqlen - p.seqlen_q + 1 + r / p.heads_per_head_k);
+    }
+    return p.causal ? min(c.end_token, seqlen - p.seqlen_q + 1) : c.end_token;
+  }
+
+  // Mask by selection, never by arithmetic: the scores of slots past the
+  // sequence may be NaN. tok0 is the first token of this WG's half of the page.
+  template <class TensorS, class TensorC>
+  __device__ static void mask_invisible(TensorS& tSrS, const TensorC& tScS, int tok0, const int (&limit)[2]) {
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      if (tok0 + int(cute::get<1>(tScS(v))) >= limit[fragment_row_half(v)]) tSrS(v) = -INFINITY;
+    }
+  }
+
+  // Row maxima of the page: each WG holds half of its tokens, so the two
+  // exchange theirs and both halves of P share one reference.
+  template <class TensorS>
+  __device__ static void page_row_max(Plan& plan, const TensorS& tSrS, int it, int wg, int lane,
+                                      const int (&rows)[2], float (&page_max)[2]) {
+    row_max(tSrS, page_max);
+    float(*xmax)[kBlockM] = plan.row_max[it & 1];
+    if ((lane & 3) == 0) {
+      xmax[wg][rows[0]] = page_max[0];
+      xmax[wg][rows[1]] = page_max[1];
+    }
+    named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
+    page_max[0] = fmaxf(page_max[0], xmax[wg ^ 1][rows[0]]);
+    page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
+  }
+
   // --------------------------------------------------------------- consumer
   __device__ static void consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k, int m_block, int wg, int tid) {
@@ -275,27 +323,13 @@ struct SplitKvMlaKernel {
       return thr_pv.partition_fragment_B(
           local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
     };
-    // Each consumer warp hands a K slot back once its share of the WGMMAs
-    // reading it has retired (k_empty counts 8 warp arrivals).
-    auto release = [&](int stage) {
-      __syncwarp();
-      mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
-    };
 
     int it = 0;  // pages consumed by this CTA, across chunks (ring position)
     for_each_chunk(p, meta, [&](const Chunk& c) {
       load_q(p, plan, c.batch, head_k, m_block, ctid);
 
-      // Visible keys of each of this thread's rows within the chunk: tokens
-      // below `limit` (causal: query s of s_q sees keys [0, L - s_q + s]).
       int limit[2];
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int r = m_block * kBlockM + rows[h];
-        limit[h] = c.end_token;
-        if (p.causal) limit[h] = min(limit[h], c.seqlen - p.seqlen_q + 1 + r / p.heads_per_head_k);
-      }
-      const int min_limit = p.causal ? min(c.end_token, c.seqlen - p.seqlen_q + 1) : c.end_token;
+      const int min_limit = visible_limits(p, c, c.seqlen, m_block, rows, limit);
 
       OnlineSoftmaxState softmax;
       softmax.reset();
@@ -327,14 +361,7 @@ struct SplitKvMlaKernel {
         warpgroup_fence_operand(tSrS);
 
         const int tok0 = page * kBlockN + wg * decode_cfg::kBlockNPerWG;  // first token of this WG's half
-        if (page * kBlockN + kBlockN > min_limit) {
-          // Mask by selection, never by arithmetic: the scores of slots past the
-          // sequence may be NaN.
-          CUTE_UNROLL
-          for (int v = 0; v < size(tSrS); ++v) {
-            if (tok0 + int(get<1>(tScS(v))) >= limit[fragment_row_half(v)]) tSrS(v) = -INFINITY;
-          }
-        }
+        if (page * kBlockN + kBlockN > min_limit) mask_invisible(tSrS, tScS, tok0, limit);
         if (!Tr::kVNeedsTranspose && tok0 + decode_cfg::kBlockNPerWG > c.end_token) {
           // Slots past the chunk's end get P = 0, but 0 * NaN = NaN in P V: zero
           // their V rows (only this WG's tokens, whose S WGMMA has retired).
@@ -349,17 +376,8 @@ struct SplitKvMlaKernel {
           fence_proxy_async_smem();
         }
 
-        // Exchange row maxima so both halves of P use one reference.
         float page_max[2];
-        row_max(tSrS, page_max);
-        float(*xmax)[kBlockM] = plan.row_max[it & 1];
-        if ((lane & 3) == 0) {
-          xmax[wg][rows[0]] = page_max[0];
-          xmax[wg][rows[1]] = page_max[1];
-        }
-        named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
-        page_max[0] = fmaxf(page_max[0], xmax[wg ^ 1][rows[0]]);
-        page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
+        page_row_max(plan, tSrS, it, wg, lane, rows, page_max);
 
         float o_scale[2];
         softmax.update(tSrS, page_max, logit_scale_log2(), o_scale);
@@ -408,7 +426,7 @@ struct SplitKvMlaKernel {
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        release(stage);
+        release_slot(plan, stage, lane);
       }
       epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale(), out_scale);
     });
@@ -568,10 +586,6 @@ struct SplitKvMlaKernel {
       return thr_rope.partition_fragment_B(
           local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
     };
-    auto release = [&](int stage) {
-      __syncwarp();
-      mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
-    };
 
     // begin_split_idx is re-read from global memory at the epilogue: held in a
     // register for the whole CTA it was the last value ptxas spilled.
@@ -694,36 +708,14 @@ struct SplitKvMlaKernel {
         // opaque copy of the length: kept across the page loop, these three
         // registers made ptxas spill next to O.
         int limit[2];
-        int min_limit;
-        {
-          int seqlen = c.seqlen;
-          asm volatile("" : "+r"(seqlen));
-          CUTE_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const int r = m_block * kBlockM + rows[h];
-            limit[h] = c.end_token;
-            if (p.causal) limit[h] = min(limit[h], seqlen - p.seqlen_q + 1 + r / p.heads_per_head_k);
-          }
-          min_limit = p.causal ? min(c.end_token, seqlen - p.seqlen_q + 1) : c.end_token;
-        }
+        int seqlen = c.seqlen;
+        asm volatile("" : "+r"(seqlen));
+        const int min_limit = visible_limits(p, c, seqlen, m_block, rows, limit);
         const int tok0 = page * kBlockN + wg * kNPerWG;
-        if (page * kBlockN + kBlockN > min_limit) {
-          CUTE_UNROLL
-          for (int v = 0; v < size(tSrS); ++v) {
-            if (tok0 + int(get<1>(tScS(v))) >= limit[fragment_row_half(v)]) tSrS(v) = -INFINITY;
-          }
-        }
+        if (page * kBlockN + kBlockN > min_limit) mask_invisible(tSrS, tScS, tok0, limit);
 
         float page_max[2];
-        row_max(tSrS, page_max);
-        float(*xmax)[kBlockM] = plan.row_max[it & 1];
-        if ((lane & 3) == 0) {
-          xmax[wg][rows[0]] = page_max[0];
-          xmax[wg][rows[1]] = page_max[1];
-        }
-        named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
-        page_max[0] = fmaxf(page_max[0], xmax[wg ^ 1][rows[0]]);
-        page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
+        page_row_max(plan, tSrS, it, wg, lane, rows, page_max);
 
         float o_scale[2];
         softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
@@ -781,7 +773,7 @@ struct SplitKvMlaKernel {
             }
           }
         }
-        release(stage);
+        release_slot(plan, stage, lane);
       }
       Chunk ce = c;
       ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
