@@ -61,6 +61,13 @@ inline constexpr int kHeadDimVPerWG = kHeadDimV / kNumConsumerWGs;    // 256
 inline constexpr int kTmaBoxChannels = 64;
 }  // namespace decode_cfg
 
+// A (rows x cols) shared-memory tile, K-major (cols contiguous), built from
+// the WGMMA swizzle atom `Atom` stacked down the rows first: each slab of one
+// atom's width (64 bf16 channels with SW128, 64 e4m3 bytes with SW64) is one
+// contiguous block, the shape one TMA box lands in.
+template <class Atom, int kRows, int kCols>
+using KMajorTile = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{}));
+
 template <config::KvFormat kFormat>
 struct Traits;  // specialized per cache format
 
@@ -76,18 +83,16 @@ struct Traits<config::KvFormat::kBf16> {
   // TMA element type and swizzle of the K boxes (64 channels = 128 bytes).
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  // WGMMA swizzle atom matching the TMA swizzle.
+  using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
 
   // Q: (64 rows, 576 ch), K-major (channel contiguous), 128-byte swizzle.
   // tile_to_shape stacks 8x64 swizzle atoms down the rows first, so each
   // 64-channel slab is one contiguous 64x64 block of 8 KB -- exactly the
   // shape one TMA box of a K page lands in.
-  using SmemLayoutQ = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  using SmemLayoutQ = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kHeadDimQK>;
   // K page: (64 tokens, 576 ch), the same K-major layout: B operand of S = Q K^T.
-  using SmemLayoutK = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  using SmemLayoutK = KMajorTile<KAtom, decode_cfg::kBlockN, decode_cfg::kHeadDimQK>;
   // V view of the same bytes: (512 ch, 64 tokens) with the channel (N of
   // O = P V) contiguous, i.e. an MN-major B operand. The MN-major 128-byte
   // atom is 64 ch x 8 tokens; stacking atoms along tokens first (Step<_2,_1>)
@@ -98,9 +103,7 @@ struct Traits<config::KvFormat::kBf16> {
       cute::Shape<cute::Int<decode_cfg::kHeadDimV>, cute::Int<decode_cfg::kBlockN>>{},
       cute::Step<cute::_2, cute::_1>{}));
   // P: (64 rows, 64 tokens), K-major: A operand of O += P V.
-  using SmemLayoutP = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kBlockN>>{}));
+  using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
   // One warpgroup per TiledMMA (the two consumer WGs run their own copies).
   using TiledMmaQK = decltype(cute::make_tiled_mma(
@@ -170,21 +173,15 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
+  // WGMMA swizzle atom matching the TMA swizzle.
+  using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
 
-  using SmemLayoutQ = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kHeadDimQK>>{}));
-  using SmemLayoutK = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<decode_cfg::kHeadDimQK>>{}));
+  using SmemLayoutQ = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kHeadDimQK>;
+  using SmemLayoutK = KMajorTile<KAtom, decode_cfg::kBlockN, decode_cfg::kHeadDimQK>;
   // V^T: (512 ch, 64 tokens), token contiguous (K-major B of O = P V); one
   // 64-byte row per channel, the atoms stacked down the channels.
-  using SmemLayoutV = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kHeadDimV>, cute::Int<decode_cfg::kBlockN>>{}));
-  using SmemLayoutP = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kBlockN>>{}));
+  using SmemLayoutV = KMajorTile<KAtom, decode_cfg::kHeadDimV, decode_cfg::kBlockN>;
+  using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
   using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
@@ -255,6 +252,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
+  // WGMMA swizzle atom matching the TMA swizzle.
+  using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
+  using KAtomRope = cute::SM90::GMMA::Layout_K_SW64_Atom<ElementRope>;
 
   // Slabs of a K slot: 64 tokens x 64 bytes each (4096 bytes).
   static constexpr int kSlabBytes = decode_cfg::kBlockN * 64;
@@ -267,26 +267,14 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr int kRopeByte = kHeadDimNope + 16;    // 528
 
   // Q NoPE (64 rows, 512 ch) and the K slot's NoPE (64 tokens, 512 ch): e4m3, K-major, SW64.
-  using SmemLayoutQ = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<kHeadDimNope>>{}));
-  using SmemLayoutK = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<kHeadDimNope>>{}));
+  using SmemLayoutQ = KMajorTile<KAtom, decode_cfg::kBlockM, kHeadDimNope>;
+  using SmemLayoutK = KMajorTile<KAtom, decode_cfg::kBlockN, kHeadDimNope>;
   // RoPE (64 rows / tokens, 64 bf16 ch): K-major SW64, 8 x 32-channel atoms
   // stacked down the rows first, so channels 0-31 and 32-63 are two 4 KB slabs.
-  using SmemLayoutQRope = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<ElementRope>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<kHeadDimRope>>{}));
-  using SmemLayoutKRope = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<ElementRope>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockN>, cute::Int<kHeadDimRope>>{}));
-  using SmemLayoutV = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kHeadDimV>, cute::Int<decode_cfg::kBlockN>>{}));
-  using SmemLayoutP = decltype(cute::tile_to_shape(
-      cute::SM90::GMMA::Layout_K_SW64_Atom<Element>{},
-      cute::Shape<cute::Int<decode_cfg::kBlockM>, cute::Int<decode_cfg::kBlockN>>{}));
+  using SmemLayoutQRope = KMajorTile<KAtomRope, decode_cfg::kBlockM, kHeadDimRope>;
+  using SmemLayoutKRope = KMajorTile<KAtomRope, decode_cfg::kBlockN, kHeadDimRope>;
+  using SmemLayoutV = KMajorTile<KAtom, decode_cfg::kHeadDimV, decode_cfg::kBlockN>;
+  using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
   using TiledMmaQKRope = decltype(cute::make_tiled_mma(
       cute::SM90_64x32x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
