@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import warnings
 from typing import Sequence
 
@@ -56,22 +55,11 @@ from .formats import HEAD_DIM_V
 from .primitives import decode_p, schedule
 from .primitives.base import _batch_sequentially, _no_derivative, sharding_free
 
-__all__ = ["ReshardWarning", "decode", "write_kv_cache", "collectives_in", "COLLECTIVE_OPS"]
+__all__ = ["ReshardWarning", "decode", "write_kv_cache"]
 
 
 class ReshardWarning(UserWarning):
     """An operand of a jax_flash_mla op was resharded (communication) because its sharding is not supported."""
-
-
-COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
-                  "collective-broadcast", "reduce-scatter")
-_COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(")
-
-
-def collectives_in(hlo) -> list:
-    """Collective ops (all-gather, all-reduce, …) among the instructions of compiled HLO text (or a Compiled)."""
-    text = hlo if isinstance(hlo, str) else hlo.as_text()
-    return _COLLECTIVE_RE.findall(text)
 
 
 # ----------------------------------------------------------------------------------------------------------------

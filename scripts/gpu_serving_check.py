@@ -113,20 +113,6 @@ def thunk_custom_calls(text: str):
     return buffers, inside, total
 
 
-def full_cache_ops(text: str, shape) -> list:
-    dims = ",".join(map(str, shape))
-    return sorted(set(re.findall(r"= \w+\[" + dims + r"\]\{[\d,]*\} ([\w-]+)\(", text)))
-
-
-def cache_aliased(text: str, shape) -> bool:
-    header = text.split("\n", 1)[0]
-    aliased = {int(p) for p in re.findall(r"\}: \((\d+), \{[\d,]*\}, (?:may|must)-alias\)", header)}
-    entry = text[text.index("\nENTRY "):]
-    dims = ",".join(map(str, shape))
-    params = {int(p) for p in re.findall(r"= \w+\[" + dims + r"\]\{[\d,]*\} parameter\((\d+)\)", entry)}
-    return bool(params) and params <= aliased
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Child: runs the checks under the XLA flags it was started with
 
@@ -148,6 +134,7 @@ def check_format(ds, kv_format, steps, dump_dir, timing_only):
     import jax.numpy as jnp
     import numpy as np
     import jax_flash_mla as fm
+    from jax_flash_mla import hlo
 
     kernel = kv_format in fm.kernel_formats()
     model = MODEL if jax.devices()[0].platform == "gpu" else SMALL_MODEL
@@ -161,8 +148,8 @@ def check_format(ds, kv_format, steps, dump_dir, timing_only):
         text = compiled.as_text()
         target = f'custom_call_target="jax_flash_mla_decode_{kv_format}"'
         row["custom_call"] = target in text
-        row["cache_aliased"] = cache_aliased(text, cache.shape)
-        row["full_cache_ops"] = full_cache_ops(text, cache.shape)
+        row["cache_aliased"] = hlo.params_aliased(text, cache.shape)
+        row["full_cache_ops"] = sorted(hlo.ops_producing(text, cache.shape))
         found, captured = in_command_buffer(text, target if kernel else "custom-call")
         source = "compiled HLO"
         if not found and dump_dir:  # the pass's own dump, if the executable's text predates it

@@ -23,7 +23,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # sanitizers tr
 
 import numpy as np  # noqa: E402
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax_flash_mla as fm  # noqa: E402

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_flash_mla import sharding
+from jax_flash_mla import hlo
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (tests/conftest.py sets XLA_FLAGS)")
@@ -67,39 +67,28 @@ def compile_step(cfg, donate=True):
     return step.lower(params, *state).compile().as_text(), state[0].sharding.shard_shape(state[0].shape)
 
 
-def full_cache_ops(hlo: str, shape) -> set:
-    """Opcodes of every instruction whose result has the (per-device) cache shape, in any dtype."""
-    dims = ",".join(map(str, shape))
-    return set(re.findall(r"= \w+\[" + dims + r"\]\{[\d,]*\} ([\w-]+)\(", hlo))
-
-
-def cache_updated_in_place(hlo: str, shape) -> bool:
+def cache_updated_in_place(text: str, shape) -> bool:
     """The cache parameter is aliased to an output and nothing copies a whole cache."""
-    header = hlo.split("\n", 1)[0]
-    aliased = {int(p) for p in re.findall(r"\}: \((\d+), \{[\d,]*\}, (?:may|must)-alias\)", header)}
-    entry = hlo[hlo.index("\nENTRY "):]
-    dims = ",".join(map(str, shape))
-    params = {int(p) for p in re.findall(r"= \w+\[" + dims + r"\]\{[\d,]*\} parameter\((\d+)\)", entry)}
-    return bool(params) and params <= aliased and not {"copy", "copy-start"} & full_cache_ops(hlo, shape)
+    return hlo.params_aliased(text, shape) and not {"copy", "copy-start"} & hlo.ops_producing(text, shape)
 
 
 @pytest.mark.parametrize("strategy, data, model", [("none", 1, 1), ("batch", 4, 1), ("2d", 4, 2)])
 def test_donated_cache_is_updated_in_place(strategy, data, model):
     cfg = ds.Config(**SMALL, kv_format="fp8_ds_mla", strategy=strategy, data=data, model=model)
-    hlo, shape = compile_step(cfg)
-    assert cache_updated_in_place(hlo, shape)
+    text, shape = compile_step(cfg)
+    assert cache_updated_in_place(text, shape)
     # Strictly in place: the scan-carried cache is only scattered into (no convert round trip, no copy).
-    assert full_cache_ops(hlo, shape) <= {"parameter", "get-tuple-element", "fusion", "scatter"}
+    assert hlo.ops_producing(text, shape) <= {"parameter", "get-tuple-element", "fusion", "scatter"}
     undonated, shape = compile_step(cfg, donate=False)
     assert not cache_updated_in_place(undonated, shape)  # the check fails without donation: XLA copies the cache
-    assert "copy" in full_cache_ops(undonated, shape)
+    assert "copy" in hlo.ops_producing(undonated, shape)
 
 
 def test_communication_is_only_the_tensor_parallel_all_reduce():
     for strategy, data, model, allowed in [("batch", 4, 1, set()), ("heads", 1, 2, {"all-reduce"}),
                                            ("2d", 4, 2, {"all-reduce"})]:
-        hlo, _ = compile_step(ds.Config(**SMALL, strategy=strategy, data=data, model=model))
-        assert set(sharding.collectives_in(hlo)) <= allowed, strategy
+        text, _ = compile_step(ds.Config(**SMALL, strategy=strategy, data=data, model=model))
+        assert set(hlo.collectives_in(text)) <= allowed, strategy
 
 
 def test_main_prints_a_table(capsys):

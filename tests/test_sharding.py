@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flash_mla as fm
-from jax_flash_mla import quant, sharding
+from jax_flash_mla import hlo, quant, sharding
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices: XLA_FLAGS="
@@ -139,7 +139,7 @@ def test_supported_strategy_is_local_and_exact(strategy, kv_format, axis_type):
         warnings.simplefilter("error", sharding.ReshardWarning)
         got, compiled = run_sharded(fn, mesh, [p["q"], p["k_cache"], p[ids], p["seqlens"]],
                                     [q_spec, cache_spec, row_spec, row_spec])
-    assert sharding.collectives_in(compiled) == []
+    assert hlo.collectives_in(compiled) == []
     batch_axis = "data" if batch_shards > 1 else None
     head_axis = "model" if head_shards > 1 else None
     assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P(batch_axis, None, head_axis)), 4)
@@ -158,7 +158,7 @@ def test_gspmd_partitioner_too():
                                     [P("data", None, "model"), P("data"), P("data"), P("data")])
     finally:
         jax.config.update("jax_use_shardy_partitioner", True)
-    assert sharding.collectives_in(compiled) == []
+    assert hlo.collectives_in(compiled) == []
     assert_bitwise(got, per_shard(fn, p, p["local"], DATA, MODEL, pooled=True, kv_heads_sharded=False))
 
 
@@ -166,9 +166,9 @@ def test_checks_can_fail():
     """The collective checker flags communicating programs; the bitwise / pool checks tell local from global ids."""
     mesh = make_mesh(AxisType.Auto)
     x = put(mesh, np.ones((8, 4), np.float32), P("data"))
-    assert "all-reduce" in sharding.collectives_in(jax.jit(lambda x: x.sum()).lower(x).compile())
+    assert "all-reduce" in hlo.collectives_in(jax.jit(lambda x: x.sum()).lower(x).compile())
     gather = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(mesh, P()))
-    assert "all-gather" in sharding.collectives_in(gather.lower(x).compile())
+    assert "all-gather" in hlo.collectives_in(gather.lower(x).compile())
     # Global block ids on a pool-sharded cache are (by design) read as local ids: a different result, which the
     # comparisons above would reject.
     p = make_problem("bf16")
@@ -220,7 +220,7 @@ def test_passed_metadata_is_ignored_when_sharded_and_adds_no_communication(recor
     fn = decode_fn("bf16", p["kw"], meta=True)  # get_mla_metadata on the sharded batch, inside the jit
     got, compiled = run_sharded(fn, make_mesh(axis_type), [p["q"], p["k_cache"], p["local"], p["seqlens"]],
                                 [P("data"), P("data"), P("data"), P("data")])
-    assert sharding.collectives_in(compiled) == []
+    assert hlo.collectives_in(compiled) == []
     assert (ROWS,) in recorder.shapes
     assert_bitwise(got, per_shard(decode_fn("bf16", p["kw"]), p, p["local"], DATA, 1, pooled=True,
                                   kv_heads_sharded=False))
@@ -231,7 +231,7 @@ def test_passed_metadata_is_used_when_nothing_is_split(recorder):
     got, compiled = run_sharded(decode_fn("bf16", p["kw"], meta=True), make_mesh(),
                                 [p["q"], p["k_cache"], p["glob"], p["seqlens"]], [P(), P(), P(), P()])
     assert recorder.shapes == []  # nothing scheduled inside the decode
-    assert sharding.collectives_in(compiled) == []
+    assert hlo.collectives_in(compiled) == []
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def test_sharded_write_is_local_exact_and_in_place(kv_format, pooled):
         got, compiled = run_sharded(fn, make_mesh(), [cache, new_kv, table, positions],
                                     [row_spec, row_spec, row_spec, row_spec], donate=(0,))
     text = compiled.as_text()
-    assert sharding.collectives_in(text) == []
+    assert hlo.collectives_in(text) == []
     assert "input_output_alias={ {}: (0, {}, may-alias) }" in text  # the cache shard is updated in place
     if pooled:
         rows = lambda x, i: x[i * ROWS:(i + 1) * ROWS]
@@ -325,7 +325,7 @@ def test_plain_jnp_write_into_page_pools_communicates():
     specs = [P("data")] * 4
     _, compiled = run_sharded(write_fn("bf16", quant.write_kv_cache), make_mesh(AxisType.Auto),
                               [cache, new_kv, table, positions], specs)
-    assert sharding.collectives_in(compiled)
+    assert hlo.collectives_in(compiled)
     with pytest.raises(Exception, match="out_sharding"):
         run_sharded(write_fn("bf16", quant.write_kv_cache), make_mesh(), [cache, new_kv, table, positions], specs)
 
@@ -350,7 +350,7 @@ def test_sharded_write_to_a_layer_of_stacked_caches():
         warnings.simplefilter("error", sharding.ReshardWarning)
         got, compiled = run_sharded(fn, make_mesh(), [caches, new_kv, table, positions],
                                     [P(None, "data"), P("data"), P("data"), P("data")], donate=(0,))
-    assert sharding.collectives_in(compiled) == []
+    assert hlo.collectives_in(compiled) == []
     rows = lambda x, i: x[i * ROWS:(i + 1) * ROWS]
     want = np.concatenate([np.asarray(run_single(fn, caches[:, i * POOL:(i + 1) * POOL], rows(new_kv, i),
                                                  rows(table, i), rows(positions, i))) for i in range(DATA)], axis=1)
