@@ -40,9 +40,7 @@ class MlaMetadata(NamedTuple):
 
 
 def kernel_formats() -> frozenset:
-    """Cache formats whose Hopper kernel is usable on this machine (empty off sm_90 or without the extension).
-
-    Kernels not yet verified on a GPU (fp8_ds_mla) count only with JAX_FLASH_MLA_UNVERIFIED_KERNELS=1."""
+    """Cache formats whose Hopper kernel is usable on this machine (empty off sm_90 or without the extension)."""
     return _ffi.kernel_formats() if hopper_devices_only() else frozenset()
 
 

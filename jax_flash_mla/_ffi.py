@@ -6,10 +6,6 @@ the pure-jnp reference. Registration for the CUDA platform is deferred by JAX un
 importing this module never touches a GPU and works under JAX_PLATFORMS=cpu.
 
 Set JAX_FLASH_MLA_DISABLE_KERNELS=1 to ignore the extension (reference-only), e.g. to compare both paths.
-
-Kernels that are built but not yet verified on a GPU (UNVERIFIED_FORMATS: fp8_ds_mla) are left out of
-kernel_formats(), so those formats run the jnp reference, unless JAX_FLASH_MLA_UNVERIFIED_KERNELS=1 is set. It is
-read on every call, i.e. when a decode is traced and lowered (a jit already compiled keeps its choice).
 """
 
 from __future__ import annotations
@@ -25,9 +21,6 @@ from .formats import check_kv_format
 TARGET_SCHED_META = "jax_flash_mla_sched_meta"
 _DECODE_PREFIX = "jax_flash_mla_decode_"
 DISABLE_ENV = "JAX_FLASH_MLA_DISABLE_KERNELS"
-UNVERIFIED_ENV = "JAX_FLASH_MLA_UNVERIFIED_KERNELS"
-# Built, compile-checked, but not yet run against the tests on a GPU: opt-in only.
-UNVERIFIED_FORMATS = frozenset({"fp8_ds_mla"})
 
 
 def _runtime_ffi_api_version():
@@ -84,17 +77,10 @@ def extension_available() -> bool:
     return TARGET_SCHED_META in _TARGETS
 
 
-def unverified_kernels_enabled() -> bool:
-    """True when JAX_FLASH_MLA_UNVERIFIED_KERNELS is set (to anything but empty or "0")."""
-    return os.environ.get(UNVERIFIED_ENV, "") not in ("", "0")
-
-
 def kernel_formats() -> frozenset:
     """Cache formats whose decode kernel was built and may be used (a subset of KV_FORMATS; empty without the CUDA
-    extension). Built kernels in UNVERIFIED_FORMATS count only with JAX_FLASH_MLA_UNVERIFIED_KERNELS=1."""
-    if unverified_kernels_enabled():
-        return _FORMATS
-    return _FORMATS - UNVERIFIED_FORMATS
+    extension)."""
+    return _FORMATS
 
 
 def unavailable_reason():
@@ -114,6 +100,5 @@ def build_info() -> dict:
     return dict(_ext.build_info()) if _ext is not None else {}
 
 
-__all__ = ["extension_available", "kernel_formats", "unverified_kernels_enabled", "UNVERIFIED_FORMATS",
-           "UNVERIFIED_ENV", "decode_target", "TARGET_SCHED_META",
+__all__ = ["extension_available", "kernel_formats", "decode_target", "TARGET_SCHED_META",
            "unavailable_reason", "build_info"]

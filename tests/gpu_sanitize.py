@@ -10,7 +10,8 @@ the combine: a sequence split over several partitions (partials + combine), sing
 a partial last page with NaN slots behind it (V rows zeroed in shared memory), causal masking, a zero-length
 sequence, two row tiles per KV head (s_q 2 x 36 heads = 72 rows, the second tile padded) and two KV heads.
 The same decode runs for every built format of FORMATS (fp8_per_tensor: the consumers' V transpose into the
-double-buffered V^T tiles, with the NaN slots of the partial page zeroed there). Exits non-zero on a wrong or
+double-buffered V^T tiles, with the NaN slots of the partial page zeroed there; fp8_ds_mla: the q quantization
+prologue, the per-group scale tiles and the same transpose). Exits non-zero on a wrong or
 non-finite result.
 """
 
@@ -29,9 +30,9 @@ import jax_flash_mla as fm  # noqa: E402
 from oracle import SOFTMAX_SCALE, make_decode_inputs  # noqa: E402
 
 
-# Format -> (max |out - ref| bound or None, rel-L2 bound or None). fp8_per_tensor rounds P to e4m3 (rel-L2 up to
-# ~2^-4 against the fp32-P reference: tests/test_decode_gpu.py's docstring).
-FORMATS = {"bf16": (2e-2, None), "fp8_per_tensor": (None, 6e-2)}
+# Format -> (max |out - ref| bound or None, rel-L2 bound or None). The FP8 kernels round P (and fp8_ds_mla also q)
+# to e4m3 (rel-L2 up to ~2^-4 against the fp32 reference: tests/test_decode_gpu.py's docstring).
+FORMATS = {"bf16": (2e-2, None), "fp8_per_tensor": (None, 6e-2), "fp8_ds_mla": (None, 6e-2)}
 
 
 def main() -> int:

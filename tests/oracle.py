@@ -53,6 +53,20 @@ def oracle_decode(q64, latent64_pages, block_table, cache_seqlens, softmax_scale
     return out, lse
 
 
+def round_q_like_ds_mla_kernel(q):
+    """The q the fp8_ds_mla kernel computes with (docs/NUMERICS.md, design A), as float32 ``[..., 576]``: each
+    (row, 128-channel group) of the 512 NoPE channels becomes e4m3(q / s) * s with s = amax / 448 rounded to
+    float32 (1 for an all-zero group); the 64 RoPE channels stay bf16. float32 division and the e4m3 cast both round
+    to nearest even, as the kernel's __fdiv_rn and cvt do."""
+    q = np.asarray(q).astype(np.float32)
+    nope = q[..., :D_V].reshape(*q.shape[:-1], 4, 128)
+    amax = np.abs(nope).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    codes = np.clip(nope / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    nope = (codes.astype(np.float32) * scale).reshape(*q.shape[:-1], D_V)
+    return np.concatenate([nope, q[..., D_V:]], axis=-1)
+
+
 def decode_cache(cache, kv_format, descale_k=None):
     """Cache (any leading shape) → float64 latent ``[..., 576]``, reading the bytes of README §2 by hand."""
     cache = np.asarray(cache)

@@ -37,9 +37,13 @@ kernel (docs/NUMERICS.md, design A) also rounds q's NoPE channels to e4m3 per (r
 (scaled per group by k_scale·256/n_g, so P stays normal). The emulation puts that at rel-L2 ≈ 3.0e-2 / 1e-2 / 2.6e-2
 (gaussian / rope outliers / small latent: sqrt of F1² − F0² in NUMERICS.md) against the reference; the P rounding
 alone is bounded by 2^-4 per probability as for fp8_per_tensor. Bound: rel-L2 ≤ 6e-2, cosine difference ≤ 2e-3.
-lse moves with the q rounding (Fq − F0 in NUMERICS.md: max |Δlse| up to ~5e-3 gaussian, ≲ 5e-2 on the RoPE outliers,
-whose |lse| is large): |Δlse| ≤ 2e-2·max(1, |lse|). These are first estimates for a kernel not yet run on a GPU
-(it is opt-in, _ffi.UNVERIFIED_FORMATS; this module opts in); the first H200 run should confirm or tighten them.
+lse moves with the q rounding by up to max_j |Δs_j| (lse is 1-Lipschitz in the scores): over thousands of keys that
+averages to ~5e-3 (NUMERICS.md, Fq − F0), but a causal row that sees 1–3 keys keeps its few scores' full error, and
+the first H200 run measured |Δlse| / max(1, |lse|) = 4.7e-2 and 4.9e-2 on two such rows. So lse is compared with
+the same reference run on the q the kernel computes with (oracle.round_q_like_ds_mla_kernel): what remains is the
+FP8 accumulation of q·k, as for fp8_per_tensor (each 128-channel group's partial sum is promoted to fp32 exactly, so
+4 k-steps of 32 per group instead of 18 chained ones): |Δlse| ≤ 4e-3·max(1, |lse|). The output keeps the format's
+reference (the contract with the user), where the q and P rounding give the bound above.
 
 Against float64 on the UNquantized data (test_fp8_per_tensor_error_vs_unquantized_oracle) the error is the format's:
 per-tensor scales lose the NoPE channels' precision when RoPE carries outliers (README §4: 2.4e-1 emulated, 2.3e-1
@@ -50,6 +54,7 @@ for FlashMLA PR #54's kernel). The test prints the measured rel-L2 and asserts i
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -61,7 +66,7 @@ import jax_flash_mla as fm
 from jax_flash_mla import _ffi
 
 from jax_flash_mla.accuracy import README_EMULATION, README_KERNEL, REGRESSION_FACTOR
-from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode
+from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel
 
 # JAX_FLASH_MLA_REQUIRE_GPU=1 (scripts/gpu_check.sh) turns the skips into failures: a format that did not build or
 # load then fails its tests instead of passing them silently. FP8 formats left out on purpose
@@ -69,20 +74,7 @@ from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode
 REQUIRE_GPU = os.environ.get("JAX_FLASH_MLA_REQUIRE_GPU") == "1"
 
 
-def _usable_formats():
-    """fm.kernel_formats() with the unverified kernels opted in (this module tests them)."""
-    old = os.environ.get(_ffi.UNVERIFIED_ENV)
-    os.environ[_ffi.UNVERIFIED_ENV] = "1"
-    try:
-        return fm.kernel_formats()
-    finally:
-        if old is None:
-            del os.environ[_ffi.UNVERIFIED_ENV]
-        else:
-            os.environ[_ffi.UNVERIFIED_ENV] = old
-
-
-USABLE = _usable_formats()
+USABLE = fm.kernel_formats()
 
 
 def _runs(kv_format):
@@ -98,16 +90,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def _opt_in_unverified_kernels(monkeypatch):
-    """Kernels in _ffi.UNVERIFIED_FORMATS (fp8_ds_mla) are opt-in; their tests are how they get verified."""
-    monkeypatch.setenv(_ffi.UNVERIFIED_ENV, "1")
 
-# Per format: cosine difference, rel-L2 of out (None: not checked), |Δlse| / max(1, |lse|). Module docstring.
+# Per format: cosine difference, rel-L2 of out (None: not checked), |Δlse| / max(1, |lse|) (fp8_ds_mla: against the
+# reference on the kernel's rounded q, _references). Module docstring.
 TOLS = {
     "bf16": dict(cos=1e-5, rel_l2=None, lse=1e-5),
     "fp8_per_tensor": dict(cos=2e-3, rel_l2=6e-2, lse=4e-3),
-    "fp8_ds_mla": dict(cos=2e-3, rel_l2=6e-2, lse=2e-2),
+    "fp8_ds_mla": dict(cos=2e-3, rel_l2=6e-2, lse=4e-3),
 }
 
 
@@ -155,6 +144,18 @@ def _run(inp, causal, implementation):
         *args, softmax_scale=SOFTMAX_SCALE, causal=causal, implementation=implementation, **kwargs))
 
 
+def _references(inp, causal):
+    """(out, lse) to check the kernel against: the format's jnp reference; for fp8_ds_mla the lse comes from that
+    reference on the q the kernel rounds to e4m3 (module docstring)."""
+    ref_out, ref_lse = _run(inp, causal, "reference")
+    if inp.kv_format == "fp8_ds_mla":
+        (_, *rest), kwargs = inp.kernel_args()
+        _, ref_lse = jax.block_until_ready(fm.mla_decode_reference(
+            jnp.asarray(round_q_like_ds_mla_kernel(inp.q)), *rest, softmax_scale=SOFTMAX_SCALE, causal=causal,
+            **kwargs))
+    return ref_out, ref_lse
+
+
 def _cos_diff(x, y):
     x = x.astype(np.float64).ravel()
     y = y.astype(np.float64).ravel()
@@ -194,11 +195,12 @@ def _check(out, lse, ref_out, ref_lse, kv_format):
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("b, s_q, h_q, h_kv, seqlens, causal", CASES)
 def test_kernel_matches_reference(b, s_q, h_q, h_kv, seqlens, causal, kv_format):
-    rng = np.random.default_rng(hash((b, s_q, h_q, h_kv, str(seqlens), causal)) % 2**32)
+    # crc32, not hash(): str hashes are salted per process, and a failing case must reproduce.
+    rng = np.random.default_rng(zlib.crc32(repr((b, s_q, h_q, h_kv, seqlens, causal)).encode()))
     inp = make_decode_inputs(rng, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=_seqlens(rng, b, seqlens),
                              kv_format=kv_format)
     out, lse = _run(inp, causal, "kernel")
-    ref_out, ref_lse = _run(inp, causal, "reference")
+    ref_out, ref_lse = _references(inp, causal)
     _check(out, lse, ref_out, ref_lse, kv_format)
 
 
@@ -209,7 +211,7 @@ def test_kernel_other_distributions(dist, kv_format):
     inp = make_decode_inputs(rng, b=6, s_q=2, h_q=64, h_kv=1, seqlens=_seqlens(rng, 6, "varlen"),
                              kv_format=kv_format, dist=dist)
     out, lse = _run(inp, True, "kernel")
-    ref_out, ref_lse = _run(inp, True, "reference")
+    ref_out, ref_lse = _references(inp, True)
     _check(out, lse, ref_out, ref_lse, kv_format)
 
 
@@ -256,7 +258,7 @@ def test_kernel_with_precomputed_metadata_under_jit(kv_format):
         q, k, t, l, 512, m, softmax_scale=SOFTMAX_SCALE, causal=True, implementation="kernel", descale_q=dq,
         descale_k=dk, **kwargs))
     out, lse = fn(*args, meta, *descales)
-    ref_out, ref_lse = _run(inp, True, "reference")
+    ref_out, ref_lse = _references(inp, True)
     _check(out, lse, ref_out, ref_lse, kv_format)
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Nsight Compute on the decode kernel, per format: where its warps stall, instruction by instruction.
+# Run on the GPU machine from the repo root, after scripts/build_carry.sh here and with carry=[".carry"]:
+#   FORMATS="fp8_ds_mla fp8_per_tensor" SHAPE=M1 bash scripts/gpu_profile.sh
+# For each format, $OUT gets <format>_details.csv (speed of light, warp states, scheduler) and <format>_sass.csv
+# (the SASS with its stall samples; read it with scripts/stall_report.py). One launch of splitkv_mla is profiled
+# (the second call's: the first one compiles), at batch $BATCH and s_k $SEQLEN (the per-page work is the shape's).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jax_flash_mla_profile}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+shopt -s nullglob
+carried=(.carry/jax_flash_mla/_jax_flash_mla*.so)
+((${#carried[@]})) && cp "${carried[@]}" jax_flash_mla/
+# ncu saves and restores the memory a replayed kernel can reach: keep XLA from reserving most of the GPU.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+status=0
+for fmt in ${FORMATS:-bf16 fp8_per_tensor fp8_ds_mla}; do
+  rep=/tmp/profile_$fmt
+  echo "==== ncu: $fmt ${SHAPE:-M1}"
+  ncu --clock-control none --kernel-name regex:splitkv_mla --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      --section LaunchStats --section Occupancy -f -o "$rep" \
+      "$PY" scripts/profile_decode.py --format "$fmt" --shape "${SHAPE:-M1}" --batch "${BATCH:-64}" \
+      --seqlen "${SEQLEN:-4096}" --calls 2 2>&1 | grep -vE "^==PROF==|^$" | tail -5 || status=1
+  ncu -i "$rep.ncu-rep" --page details --csv > "$OUT/${fmt}_details.csv" || status=1
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/${fmt}_sass.csv" || status=1
+  "$PY" - "$OUT/${fmt}_details.csv" <<'PYEOF'
+import csv, sys
+wanted = ("Duration", "Registers Per Thread", "Warp Cycles Per Issued Instruction", "Issue Slots Busy",
+          "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput")
+for row in csv.DictReader(open(sys.argv[1])):
+    if row.get("Metric Name") in wanted:
+        print(f'  {row["Metric Name"]}: {row["Metric Value"]} {row["Metric Unit"]}')
+PYEOF
+done
+ls -la "$OUT"
+exit $status
