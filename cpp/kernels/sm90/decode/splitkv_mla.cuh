@@ -574,6 +574,10 @@ struct SplitKvMlaKernel {
     // token) locate its 8 tokens' scale rows. (t >> 1) & 3 = lane % 4 for all
     // of them, so the swizzle unit is fixed per thread.
     const int tok_first = wg * kNPerWG + int(get<1>(tScS(0)));  // within the page
+    // The 8 tokens among them: value v is token j = 2 (v / 4) + v % 2 of the
+    // thread, at offset 8 (j / 2) + j % 2 from tok_first.
+    auto token_of = [](int v) { return 2 * (v / 4) + v % 2; };
+    auto token_offset = [](int j) { return 8 * (j / 2) + j % 2; };
 
     auto k_nope = [&](int stage) {
       Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
@@ -607,15 +611,18 @@ struct SplitKvMlaKernel {
         mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
         const uint32_t slot = smem_addr(plan.k[stage]);
         const uint32_t my_scales = ds_scale_addr(slot, tok_first);
-        // k_scale[t, g] of value v's token, 0 past the chunk (garbage there may be NaN).
-        auto k_scale = [&](int v, int g) {
-          const int dt = 8 * (v / 4) + (v % 2);  // token offset from tok_first
-          float x;
-          asm volatile("ld.shared.f32 %0, [%1];\n"
-                       : "=f"(x)
-                       : "r"(my_scales + uint32_t(dt * 64 + 4 * g))
-                       : "memory");
-          return tok_first + dt < valid ? x : 0.f;
+        // This thread's 8 tokens: value v of the fragment is token j = token_of(v),
+        // at offset token_offset(j) from tok_first. k_scale[t, g] of them, as
+        // stored (slots past the chunk may hold NaN: their scores are masked by
+        // selection after the promotion, and P uses page_scales below).
+        auto group_scales = [&](int g, float (&ks)[8]) {
+          CUTE_UNROLL
+          for (int j = 0; j < 8; ++j) {
+            asm volatile("ld.shared.f32 %0, [%1];\n"
+                         : "=f"(ks[j])
+                         : "r"(my_scales + uint32_t(token_offset(j) * 64 + 4 * g))
+                         : "memory");
+          }
         };
 
         // Issue: RoPE into S and NoPE group 0 into T0 (one batch), group 1 into T1.
@@ -686,9 +693,11 @@ struct SplitKvMlaKernel {
         auto promote = [&](auto& T, int g) {
           warpgroup_fence_operand(T);
           const float qs[2] = {plan.q_scale[rows[0]][g], plan.q_scale[rows[1]][g]};
+          float ks[8];
+          group_scales(g, ks);
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); ++v) {
-            tSrS(v) += (qs[fragment_row_half(v)] * k_scale(v, g)) * T(v);
+            tSrS(v) += (qs[fragment_row_half(v)] * ks[token_of(v)]) * T(v);
           }
         };
         warpgroup_wait<1>();  // RoPE and group 0
@@ -721,18 +730,43 @@ struct SplitKvMlaKernel {
         softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
 
         // P_g = e4m3(p * k_scale[t, g] * 256 / n_g) for all four groups of this WG's 32 tokens.
+        // c[j][g] = k_scale[t_j, g] * 256 / n_g, from one 16-byte load per token;
+        // 0 past the chunk (p is 0 there, but 0 * NaN would be NaN).
+        float c[8][kGroups];
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) {
+          float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+          asm volatile(
+              "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
+              " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
+              : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
+              : "r"(tok_first + token_offset(j)), "r"(valid), "r"(my_scales + uint32_t(token_offset(j) * 64))
+              : "memory");
+          c[j][0] = x.x;
+          c[j][1] = x.y;
+          c[j][2] = x.z;
+          c[j][3] = x.w;
+        }
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
-          Tensor sP = make_tensor(make_smem_ptr(plan.p[g]), typename Tr::SmemLayoutP{});
           const float f = __fdiv_rn(256.f, n[g]);  // a power of two when n_g is
           CUTE_UNROLL
+          for (int j = 0; j < 8; ++j) c[j][g] *= f;
+        }
+        {
+          const typename Tr::SmemLayoutP layout_p{};
+          const uint32_t p_base = smem_addr(plan.p[0]);
+          CUTE_UNROLL
           for (int v = 0; v < size(tSrS); v += 2) {
-            const int row = get<0>(tScS(v));
-            const int col = wg * kNPerWG + get<1>(tScS(v));
-            const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
-                make_float2(tSrS(v) * (k_scale(v, g) * f), tSrS(v + 1) * (k_scale(v + 1, g) * f)), __NV_SATFINITE,
-                __NV_E4M3);
-            *reinterpret_cast<__nv_fp8x2_storage_t*>(raw_pointer_cast(&sP(row, col))) = pair;
+            // Same (row, column) in every group's tile: one offset, four stores.
+            const uint32_t at = p_base + uint32_t(layout_p(get<0>(tScS(v)), wg * kNPerWG + get<1>(tScS(v))));
+            CUTE_UNROLL
+            for (int g = 0; g < kGroups; ++g) {
+              const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
+                  make_float2(tSrS(v) * c[token_of(v)][g], tSrS(v + 1) * c[token_of(v + 1)][g]), __NV_SATFINITE,
+                  __NV_E4M3);
+              asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(at + uint32_t(g * Tr::kPElems)), "h"(pair) : "memory");
+            }
           }
         }
         // n_g / 256 of this WG's two output groups (n[2 wg + gl], without a
@@ -742,7 +776,9 @@ struct SplitKvMlaKernel {
         named_barrier_sync(NamedBarriers::kPReady, kConsumers);
 
         // Per output group: T = P_g V_g (fresh), then O_g = O_g * o_scale + T * n_g / 256,
-        // one 64-channel block at a time.
+        // one 64-channel block at a time. O is rescaled (only when a row maximum
+        // moved) while the block's WGMMA runs; it is not one of its operands.
+        const bool rescale = page != page_begin && (o_scale[0] != 1.f || o_scale[1] != 1.f);
         CUTE_UNROLL
         for (int j = 0; j < kPVBlocks; ++j) {
           const int gl = j / 2;  // group 2 wg + gl
@@ -760,17 +796,19 @@ struct SplitKvMlaKernel {
             mma_pv.accumulate_ = GMMA::ScaleOut::One;
           }
           warpgroup_commit_batch();
+          Tensor tOrOj = tOrO(_, _, j);
+          if (rescale) {
+            CUTE_UNROLL
+            for (int v = 0; v < size(tOrT); ++v) tOrOj(v) *= o_scale[fragment_row_half(v)];
+          }
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrT);
-          Tensor tOrOj = tOrO(_, _, j);
           if (page == page_begin) {
             CUTE_UNROLL
             for (int v = 0; v < size(tOrT); ++v) tOrOj(v) = tOrT(v) * fo[gl];
           } else {
             CUTE_UNROLL
-            for (int v = 0; v < size(tOrT); ++v) {
-              tOrOj(v) = fmaf(tOrOj(v), o_scale[fragment_row_half(v)], tOrT(v) * fo[gl]);
-            }
+            for (int v = 0; v < size(tOrT); ++v) tOrOj(v) = fmaf(tOrT(v), fo[gl], tOrOj(v));
           }
         }
         release_slot(plan, stage, lane);
