@@ -3,7 +3,9 @@
 #   1. machine: nvidia-smi, Python and JAX versions
 #   2. the extension: the module carried in .carry/ (scripts/build_carry.sh, carry=[".carry"]) if there, else one
 #      already in jax_flash_mla/, else a build here (cmake; needs nanobind and CUTLASS headers, e.g. from .whl/)
-#   3. pytest -x -q tests with the GPU tests required (JAX_FLASH_MLA_REQUIRE_GPU=1: a skip becomes a failure)
+#   3. pytest with the GPU tests required (JAX_FLASH_MLA_REQUIRE_GPU=1: a skip becomes a failure), over
+#      PYTEST_WORKERS processes (pytest-xdist, when installed) that share the GPU: the tests' time goes mostly into
+#      drawing and quantizing inputs on the CPU; -rP shows what the accuracy tests print
 #   4. python -m jax_flash_mla.bench; compute-sanitizer memcheck and racecheck (our kernels only) on
 #      tests/gpu_sanitize.py; python -m jax_flash_mla.accuracy; scripts/gpu_serving_check.py (if present)
 #   5. a summary table, printed last ($OUT brings back at most 8 files: keep the logs few)
@@ -11,10 +13,11 @@
 # Exit status: non-zero when any step failed.
 #
 # Environment (optional): PYTHON (default python3); PYTEST_ARGS (default: the GPU tests and the API tests; CI runs
-# the CPU suite); BENCH_ARGS (extra arguments of jax_flash_mla.bench); SERVING_ARGS (of scripts/gpu_serving_check.py);
+# the CPU suite); PYTEST_WORKERS (default 4; 1 runs pytest in this process); BENCH_ARGS (extra arguments of
+# jax_flash_mla.bench); SERVING_ARGS (of scripts/gpu_serving_check.py);
 # CARRY_DIR (default .carry); SKIP_TESTS, SKIP_SANITIZE, SKIP_ACCURACY, SKIP_SERVING, SKIP_BENCH =1 to leave a step
-# out (one command may run 10 minutes at most: with both kernels, tests take ~5 min and the bench ~2.5 min, so split
-# them over two calls on the warm machine).
+# out (one command may run 10 minutes at most: in one process the three formats' tests took ~10 min on the H200,
+# the bench ~1 min without the reference, ~3 min with it; split them over calls on the warm machine).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -101,10 +104,17 @@ if [[ $ext_info == available* ]]; then record extension ok; else record extensio
 if [[ ${SKIP_TESTS:-0} == 1 ]]; then
   record pytest "skipped (SKIP_TESTS=1)"
 else
-  read -r -a pytest_args <<< "${PYTEST_ARGS:--x -q tests/test_decode_gpu.py tests/test_sched_meta.py tests/test_api.py}"
+  read -r -a pytest_args <<< "${PYTEST_ARGS:--q -rP tests/test_decode_gpu.py tests/test_sched_meta.py tests/test_api.py}"
+  workers=${PYTEST_WORKERS:-4}
+  worker_env=()
+  if ((workers > 1)) && "$PY" -c "import xdist" 2> /dev/null; then
+    pytest_args=(-n "$workers" "${pytest_args[@]}")
+    # Each worker is a JAX process: a share of the GPU's memory each instead of the default 75% for the first.
+    worker_env=(XLA_PYTHON_CLIENT_MEM_FRACTION="$("$PY" -c "print(round(0.9 / $workers, 3))")")
+  fi
   section "pytest ${pytest_args[*]}"
   t=$SECONDS
-  JAX_FLASH_MLA_REQUIRE_GPU=1 "$PY" -m pytest "${pytest_args[@]}" 2>&1 |
+  env "${worker_env[@]}" JAX_FLASH_MLA_REQUIRE_GPU=1 "$PY" -m pytest "${pytest_args[@]}" 2>&1 |
     tee "$OUT/pytest.log"
   rc=$?
   tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)|no tests ran" "$OUT/pytest.log" | tail -1 | tr -d '=' |
