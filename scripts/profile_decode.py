@@ -53,8 +53,8 @@ def main() -> int:
     del latent
     meta = fm.get_mla_metadata(lengths, shape.seqlen_q * shape.heads_q, 1)
     decode = jax.jit(lambda q, cache, table, lengths, meta, kw: fm.flash_mla_with_kvcache(
-        q, cache, table, lengths, 512, meta, causal=shape.causal, kv_format=args.format, implementation=args.implementation,
-        **kw))
+        q, cache, table, lengths, 512, meta, causal=shape.causal, kv_format=args.format,
+        implementation=args.implementation, **kw))
     for _ in range(args.calls):
         out, lse = jax.block_until_ready(decode(q, cache, block_table, lengths, meta, kwargs))
     print(f"profile_decode {args.format} {args.shape} b={b} s_k={args.seqlen}: "

@@ -45,7 +45,8 @@ def main(argv=None):
             top2 = Counter({k[6:]: int(r[k] or 0) for k in reasons}).most_common(2)
             why = ", ".join(f"{k} {v}" for k, v in top2 if v)
             mark = ">" if j == i else " "
-            print(f"{mark}{int(r['Address'], 16) - base:6x} {samples[j] / total:6.2%}  {r['Source'].strip():58.58s} {why}")
+            offset = int(r["Address"], 16) - base
+            print(f"{mark}{offset:6x} {samples[j] / total:6.2%}  {r['Source'].strip():58.58s} {why}")
         if args.context:
             print()
 

@@ -47,8 +47,9 @@ reference (the contract with the user), where the q and P rounding give the boun
 
 Against float64 on the UNquantized data (test_fp8_per_tensor_error_vs_unquantized_oracle) the error is the format's:
 per-tensor scales lose the NoPE channels' precision when RoPE carries outliers (README §4: 2.4e-1 emulated, 2.3e-1
-for FlashMLA PR #54's kernel). The test prints the measured rel-L2 (shown with pytest -rP) and asserts it stays within 1.5x of those figures
-(jax_flash_mla/accuracy.py's REGRESSION_FACTOR); it documents this error, it does not hide it.
+for FlashMLA PR #54's kernel). The test prints the measured rel-L2 (shown with pytest -rP) and asserts it stays
+within 1.5x of those figures (jax_flash_mla/accuracy.py's REGRESSION_FACTOR); it documents this error, it does not
+hide it.
 """
 
 from __future__ import annotations
@@ -88,8 +89,6 @@ pytestmark = pytest.mark.skipif(
     not REQUIRE_GPU and not USABLE,
     reason="needs a CUDA sm_90 device and a built decode kernel",
 )
-
-
 
 # Per format: cosine difference, rel-L2 of out (None: not checked), |Δlse| / max(1, |lse|) (fp8_ds_mla: against the
 # reference on the kernel's rounded q, _references). Module docstring.

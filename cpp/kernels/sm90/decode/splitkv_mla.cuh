@@ -74,6 +74,10 @@ struct Chunk {
   int begin_token;  // multiple of the page size
   int end_token;    // exclusive
   int split_idx;    // index among the sequence's splits
+
+  // Pages the chunk touches: [first_page, end_page), never past its last one.
+  __device__ __forceinline__ int first_page() const { return begin_token / config::kPageSize; }
+  __device__ __forceinline__ int end_page() const { return (end_token + config::kPageSize - 1) / config::kPageSize; }
 };
 
 // Lengths are clamped to [0, block_table capacity]: under jit a bad length
@@ -109,8 +113,7 @@ struct SplitKvMlaKernel {
     int it = 0;  // pages issued by this CTA, across chunks (ring position)
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
-      const int page_end = (c.end_token + kBlockN - 1) / kBlockN;  // never past the chunk's last page
-      for (int page = c.begin_token / kBlockN; page < page_end; ++page, ++it) {
+      for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
         const int block = table[page];
@@ -337,8 +340,8 @@ struct SplitKvMlaKernel {
       // (D = P V; the old accumulator is not read), and the epilogue selects
       // zeros for rows without keys, so a chunk with no page never exposes it.
 
-      const int page_begin = c.begin_token / kBlockN;
-      const int page_end = (c.end_token + kBlockN - 1) / kBlockN;
+      const int page_begin = c.first_page();
+      const int page_end = c.end_page();
       for (int page = page_begin; page < page_end; ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
@@ -603,8 +606,8 @@ struct SplitKvMlaKernel {
       softmax.reset();
       // O is written (not accumulated) at the chunk's first page.
 
-      const int page_begin = c.begin_token / kBlockN;
-      const int page_end = (c.end_token + kBlockN - 1) / kBlockN;
+      const int page_begin = c.first_page();
+      const int page_end = c.end_page();
       for (int page = page_begin; page < page_end; ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
@@ -614,7 +617,7 @@ struct SplitKvMlaKernel {
         // This thread's 8 tokens: value v of the fragment is token j = token_of(v),
         // at offset token_offset(j) from tok_first. k_scale[t, g] of them, as
         // stored (slots past the chunk may hold NaN: their scores are masked by
-        // selection after the promotion, and P uses page_scales below).
+        // selection after the promotion, and P reads its own zero-filled copy, c).
         auto group_scales = [&](int g, float (&ks)[8]) {
           CUTE_UNROLL
           for (int j = 0; j < 8; ++j) {
