@@ -21,7 +21,7 @@ for fmt in ${FORMATS:-bf16 fp8_per_tensor fp8_ds_mla}; do
   echo "==== ncu: $fmt ${SHAPE:-M1}"
   ncu --clock-control none --kernel-name regex:splitkv_mla --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
-      --section LaunchStats --section Occupancy -f -o "$rep" \
+      --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis -f -o "$rep" \
       "$PY" scripts/profile_decode.py --format "$fmt" --shape "${SHAPE:-M1}" --batch "${BATCH:-64}" \
       --seqlen "${SEQLEN:-4096}" --calls 2 2>&1 | grep -vE "^==PROF==|^$" | tail -5 || status=1
   ncu -i "$rep.ncu-rep" --page details --csv > "$OUT/${fmt}_details.csv" || status=1
