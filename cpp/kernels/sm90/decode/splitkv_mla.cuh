@@ -55,6 +55,7 @@
 #include "kernels/sm90/decode/softmax.h"
 #include "kernels/sm90/decode/splitkv_mla.h"
 #include "kernels/sm90/decode/traits.h"
+#include "kernels/sm90/decode/wgmma.h"
 
 namespace jax_flash_mla::sm90 {
 
@@ -347,16 +348,7 @@ struct SplitKvMlaKernel {
         mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
 
         // S = Q K_wg^T over the 576 channels (36 k-steps of 16).
-        Tensor tSrK = k_operand(stage);
-        warpgroup_fence_operand(tSrS);
-        warpgroup_arrive();
-        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tSrQ); ++k) {
-          gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-          mma_qk.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        wgmma_batch(mma_qk, tSrQ, k_operand(stage), tSrS, false);
         if constexpr (Tr::kVNeedsTranspose) {
           transpose_v(plan.k[stage], plan.vt[it & 1], wg, tid, c.end_token - page * kBlockN);
         }
@@ -417,16 +409,7 @@ struct SplitKvMlaKernel {
         // S, with a wait_group 1 to release the slot, made ptxas serialize
         // every WGMMA of the loop, C7514; with a wait_group 0 it delayed the
         // release until the next S retired.)
-        Tensor tOrV = v_operand(stage, it & 1);
-        warpgroup_fence_operand(tOrO);
-        warpgroup_arrive();
-        mma_pv.accumulate_ = page == page_begin ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tOrP); ++k) {
-          gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-          mma_pv.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        wgmma_batch(mma_pv, tOrP, v_operand(stage, it & 1), tOrO, page != page_begin);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         release_slot(plan, stage, lane);
@@ -634,32 +617,15 @@ struct SplitKvMlaKernel {
         auto q_ops = q_operands();
         auto& tSrQ = cute::get<0>(q_ops);
         auto& tSrQR = cute::get<1>(q_ops);
+        constexpr int kGroupSteps = Tr::kGroupChannels / 32;
         auto issue_group = [&](auto& T, int g) {
-          warpgroup_fence_operand(T);
-          warpgroup_arrive();
-          mma_nope.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int k = 0; k < Tr::kGroupChannels / 32; ++k) {
-            gemm(mma_nope, tSrQ(_, _, g * 4 + k), tSrKN(_, _, g * 4 + k), T);
-            mma_nope.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
+          wgmma_batch<kGroupSteps>(mma_nope, tSrQ, tSrKN, T, false, g * kGroupSteps);
         };
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tSrT0);
         warpgroup_arrive();
-        mma_rope.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tSrQR); ++k) {
-          gemm(mma_rope, tSrQR(_, _, k), tSrKR(_, _, k), tSrS);
-          mma_rope.accumulate_ = GMMA::ScaleOut::One;
-        }
-        mma_nope.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < Tr::kGroupChannels / 32; ++k) {
-          gemm(mma_nope, tSrQ(_, _, k), tSrKN(_, _, k), tSrT0);
-          mma_nope.accumulate_ = GMMA::ScaleOut::One;
-        }
+        wgmma_k_steps(mma_rope, tSrQR, tSrKR, tSrS, false);
+        wgmma_k_steps<kGroupSteps>(mma_nope, tSrQ, tSrKN, tSrT0, false);
         warpgroup_commit_batch();
         // The transpose's 32 temporaries while only S and T0 are in flight.
         transpose_v(plan.k[stage], plan.vt[it & 1], wg, tid, valid);
@@ -790,15 +756,7 @@ struct SplitKvMlaKernel {
           Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
           Tensor tOrV = thr_pv.partition_fragment_B(local_tile(
               sV, Shape<Int<Tr::kPVBlockChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0)));  // (MMA, 1, 2)
-          warpgroup_fence_operand(tOrT);
-          warpgroup_arrive();
-          mma_pv.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int k = 0; k < size<2>(tOrP); ++k) {
-            gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrT);
-            mma_pv.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
+          wgmma_batch(mma_pv, tOrP, tOrV, tOrT, false);
           Tensor tOrOj = tOrO(_, _, j);
           if (rescale) {
             CUTE_UNROLL
