@@ -8,12 +8,16 @@
 # Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
 # --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
-# out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4).
+# out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT
+# (seconds for the GPU tests of one build, default 240); BASELINE_FORMATS (formats benched for the baseline,
+# default FORMATS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/jax_flash_mla_compare}
-mkdir -p "$OUT"
+# Logs go to a work folder; at the end they are packed into one archive under $OUT (the device tool brings back
+# only a few files), and racecheck's first hazards are printed.
+logs=/tmp/jax_flash_mla_compare
+rm -rf "$logs" && mkdir -p "$logs"
 PY=${PYTHON:-python3}
 formats=${FORMATS:-bf16 fp8_per_tensor}
 read -r -a builds <<< "${BUILDS:-$(ls -d .carry_* 2> /dev/null | sed 's/^\.carry_//' | tr '\n' ' ')}"
@@ -34,25 +38,34 @@ for i in "${!builds[@]}"; do
   if ((i > 0)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
     k=$(echo "$formats" | sed 's/ / or /g')
     XLA_PYTHON_CLIENT_MEM_FRACTION=$("$PY" -c "print(round(0.9 / $workers, 3))") JAX_FLASH_MLA_REQUIRE_GPU=1 \
-      timeout 240 "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" > "$OUT/pytest_$name.log" 2>&1
-    line+=" tests rc=$? ($(tail -1 "$OUT/pytest_$name.log" | tr -d '=' | xargs));"
+      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" > "$logs/pytest_$name.log" 2>&1
+    line+=" tests rc=$? ($(tail -1 "$logs/pytest_$name.log" | tr -d '=' | xargs));"
   fi
   if ((i > 0)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
-    SANITIZE_FORMATS=$(echo "$formats" | tr ' ' ',') timeout 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
-      --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$OUT/racecheck_$name.log" 2>&1
-    line+=" racecheck rc=$? ($(grep -E 'RACECHECK SUMMARY' "$OUT/racecheck_$name.log" | sed 's/=* *RACECHECK SUMMARY: //'));"
+    SANITIZE_FORMATS=$(echo "$formats" | tr ' ' ',') timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+      --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$logs/racecheck_$name.log" 2>&1
+    line+=" racecheck rc=$? ($(grep -E 'RACECHECK SUMMARY' "$logs/racecheck_$name.log" | sed 's/=* *RACECHECK SUMMARY: //'));"
   fi
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
-  timeout 200 "$PY" -m jax_flash_mla.bench --skip-reference --formats "$(echo "$formats" | tr ' ' ',')" \
-    --shapes "${SHAPES:-M1,C1,C2}" --csv "$OUT/bench_$name.csv" --png /tmp/bench_"$name".png "${bench_args[@]}" \
-    > "$OUT/bench_$name.log" 2>&1
+  bench_formats=$formats
+  ((i == 0)) && bench_formats=${BASELINE_FORMATS:-$formats}
+  timeout 200 "$PY" -m jax_flash_mla.bench --skip-reference --formats "$(echo "$bench_formats" | tr ' ' ',')" \
+    --shapes "${SHAPES:-M1,C1,C2}" --csv "$logs/bench_$name.csv" --png /tmp/bench_"$name".png "${bench_args[@]}" \
+    > "$logs/bench_$name.log" 2>&1
   line+=" bench rc=$?"
   summary+=("$line")
-  grep -E "^(M1|C1|C2|VL) " "$OUT/bench_$name.log" | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us\n", n, $1, $2, $4}' \
-    >> "$OUT/table.txt"
+  grep -E "^(M1|C1|C2|VL) " "$logs/bench_$name.log" | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us\n", n, $1, $2, $4}' \
+    >> "$logs/table.txt"
 done
 
 echo
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
-sort -k2,2 -k3,3 -s "$OUT/table.txt" 2> /dev/null
+for f in "$logs"/racecheck_*.log; do
+  [[ -f $f ]] && grep -q -E "(Error|Warning): Race" "$f" || continue
+  echo "==== $(basename "$f"): first hazards"
+  grep -E -A3 "(Error|Warning): Race" "$f" | head -40
+done
+if [[ -n ${OUT:-} ]]; then tar czf "$OUT/compare_logs.tar.gz" -C "$logs" .; fi
+echo
+sort -k2,2 -k3,3 -s "$logs/table.txt" 2> /dev/null
