@@ -542,7 +542,7 @@ struct SplitKvMlaKernel {
           const bool zeroed = zero_stale_v(ia, page, c);
           store_p(tSrS, 0);
           fence_proxy_async_smem();
-          named_barrier_arrive(NamedBarriers::kPageAReady, kConsumers);
+          named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
           if (!Tr::kOwnPInRegisters || zeroed) named_barrier_sync(own_barrier, 128);
           rescale_o(factor);
           if constexpr (Tr::kOwnPInRegisters) {
@@ -638,7 +638,7 @@ struct SplitKvMlaKernel {
             const bool zeroed = zero_stale_v(ib, page + 1, c);
             store_p(tSrSb, 1);
             fence_proxy_async_smem();
-            named_barrier_arrive(NamedBarriers::kPageBReady, kConsumers);
+            named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
             if (!Tr::kOwnPInRegisters || zeroed) named_barrier_sync(own_barrier, 128);
             rescale_o(factor);
             if constexpr (Tr::kOwnPInRegisters) {
