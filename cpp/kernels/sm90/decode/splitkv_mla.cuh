@@ -378,22 +378,24 @@ struct SplitKvMlaKernel {
       for (int k = kLeftSteps; k < kSteps; ++k) gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
       warpgroup_commit_batch();
     };
-    // O_w (+)= P V_w with P from shared memory.
-    auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
-      Tensor tOrP = thr_pv.partition_fragment_A(p_tile(page_role));
-      Tensor tOrV = v_operand(i, page_role);
+    // O_w (+)= P V_w over the page's tokens (k-steps of 16 or 32 tokens).
+    auto pv_gemm = [&](auto& mma, const auto& tOrP, const auto& tOrV, bool accumulate) __attribute__((always_inline)) {
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
-      mma_pv.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
+      mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
       CUTE_UNROLL
       for (int k = 0; k < size<2>(tOrP); ++k) {
-        gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-        mma_pv.accumulate_ = GMMA::ScaleOut::One;
+        gemm(mma, tOrP(_, _, k), tOrV(_, _, k), tOrO);
+        mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
     };
-    // O_w (+)= P V_w with the WG's own P (fp32 probabilities in the S
-    // fragment) rounded to bf16 in registers.
+    // ... with P from shared memory ...
+    auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
+      pv_gemm(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), accumulate);
+    };
+    // ... or with the WG's own P (fp32 probabilities in the S fragment)
+    // rounded to bf16 in registers.
     auto issue_pv_regs = [&](const auto& tP, int i, int page_role, bool accumulate) __attribute__((always_inline)) {
       if constexpr (Tr::kOwnPInRegisters) {
         typename Tr::TiledMmaPVRegs mma_pv_regs;
@@ -402,17 +404,8 @@ struct SplitKvMlaKernel {
         static_assert(decltype(size(tOrP))::value == decltype(size(tP))::value, "P fragment size");
         CUTE_UNROLL
         for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tP(v));
-        Tensor tOrV = v_operand(i, page_role);
         warpgroup_fence_operand(tOrP);
-        warpgroup_fence_operand(tOrO);
-        warpgroup_arrive();
-        mma_pv_regs.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tOrP); ++k) {
-          gemm(mma_pv_regs, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-          mma_pv_regs.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        pv_gemm(mma_pv_regs, tOrP, v_operand(i, page_role), accumulate);
         warpgroup_fence_operand(tOrP);
       }
     };
