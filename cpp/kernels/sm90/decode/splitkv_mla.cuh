@@ -471,6 +471,23 @@ struct SplitKvMlaKernel {
       }
     };
     const NamedBarriers own_barrier = wg == 0 ? NamedBarriers::kWg0Local : NamedBarriers::kWg1Local;
+    // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
+    // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
+    // then rescales O by `factor` and queues the WG's own P V.
+    auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
+                            const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
+      const bool zeroed = zero_stale_v(i, page, c);
+      store_p(tP, page_role);
+      fence_proxy_async_smem();
+      named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
+      if (!Tr::kOwnPInRegisters || zeroed) named_barrier_sync(own_barrier, 128);
+      rescale_o(factor);
+      if constexpr (Tr::kOwnPInRegisters) {
+        issue_pv_regs(tP, i, page_role, accumulate);
+      } else {
+        issue_pv_smem(i, page_role, accumulate);
+      }
+    };
     constexpr bool kEarlyS0 = Tr::kNumStages >= 3;
     constexpr bool kEarlyS1 = Tr::kNumStages >= 3;
 
@@ -532,17 +549,7 @@ struct SplitKvMlaKernel {
           row_max(tSrS, page_max);
           softmax.template update</*kLazy=*/true>(tSrS, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[0]);
-          const bool zeroed = zero_stale_v(ia, page, c);
-          store_p(tSrS, 0);
-          fence_proxy_async_smem();
-          named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
-          if (!Tr::kOwnPInRegisters || zeroed) named_barrier_sync(own_barrier, 128);
-          rescale_o(factor);
-          if constexpr (Tr::kOwnPInRegisters) {
-            issue_pv_regs(tSrS, ia, 0, accumulate);
-          } else {
-            issue_pv_smem(ia, 0, accumulate);
-          }
+          publish_page(tSrS, ia, page, 0, c, factor, accumulate);
           accumulate = true;
           pending_release = -1;
           if (has_b) {
@@ -628,17 +635,7 @@ struct SplitKvMlaKernel {
           warpgroup_fence_operand(tOrO);
           if constexpr (!Tr::kVNeedsTranspose) release(ia);
           if (has_b) {
-            const bool zeroed = zero_stale_v(ib, page + 1, c);
-            store_p(tSrSb, 1);
-            fence_proxy_async_smem();
-            named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
-            if (!Tr::kOwnPInRegisters || zeroed) named_barrier_sync(own_barrier, 128);
-            rescale_o(factor);
-            if constexpr (Tr::kOwnPInRegisters) {
-              issue_pv_regs(tSrSb, ib, 1, true);
-            } else {
-              issue_pv_smem(ib, 1, true);
-            }
+            publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
             if (kEarlyS1 && next_has_b) {
               issue_s(ib + 2);
             } else {
