@@ -492,6 +492,18 @@ struct SplitKvMlaKernel {
     constexpr bool kEarlyS1 = Tr::kNumStages >= 3;
 
     int it = 0;  // pages consumed by this CTA, across chunks (ring position)
+    // The pair at `page` of a chunk ending at page_end: whether it has a page
+    // B, whether another pair follows and has a B; the ring positions of A
+    // and B. Advances the ring past the pair.
+    struct PagePair {
+      bool has_b, has_next, next_has_b;
+      int ia, ib;
+    };
+    auto take_pair = [&](int page, int page_end) {
+      const PagePair pair{page + 1 < page_end, page + 2 < page_end, page + 3 < page_end, it, it + 1};
+      it += pair.has_b ? 2 : 1;
+      return pair;
+    };
     // A plain loop rather than for_each_chunk: a lambda this large is not
     // inlined, and O would then live in local memory.
     for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
@@ -520,19 +532,15 @@ struct SplitKvMlaKernel {
         if (wg == 0 && kEarlyS0) issue_s(it);
         if (wg == 1 && kEarlyS1 && page_begin + 1 < page_end) issue_s(it + 1);
       }
-      int pending_release = -1;  // WG0 (bf16): page B of the last pair, whose P_B V_B,L is in flight
 
       // One pair loop per warpgroup (the branch outside the loops), so that
       // no control-flow path joins one WG's in-flight WGMMAs with the other's
       // code: ptxas would serialize every WGMMA (C7514).
       if (wg == 0) {
-      for (int page = page_begin; page < page_end; page += 2) {
-        const bool has_b = page + 1 < page_end;
-        const bool has_next = page + 2 < page_end;
-        const bool next_has_b = page + 3 < page_end;
-        const int ia = it, ib = it + 1;  // ring positions of pages A and B
-        it += has_b ? 2 : 1;
-        float factor[2];
+        int pending_release = -1;  // (bf16) page B of the last pair, whose P_B V_B,L is in flight
+        for (int page = page_begin; page < page_end; page += 2) {
+          const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
+          float factor[2];
           // ---------------------------------------------------- WG0: page A
           if (!kEarlyS0) issue_s(ia);
           if constexpr (Tr::kVNeedsTranspose) {
@@ -585,13 +593,9 @@ struct SplitKvMlaKernel {
           }
         }
       } else {
-      for (int page = page_begin; page < page_end; page += 2) {
-        const bool has_b = page + 1 < page_end;
-        const bool has_next = page + 2 < page_end;
-        const bool next_has_b = page + 3 < page_end;
-        const int ia = it, ib = it + 1;  // ring positions of pages A and B
-        it += has_b ? 2 : 1;
-        float factor[2];
+        for (int page = page_begin; page < page_end; page += 2) {
+          const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
+          float factor[2];
           // ---------------------------------------------------- WG1: page B
           if (!kEarlyS1 && has_b) issue_s(ib);
           if constexpr (Tr::kVNeedsTranspose) {
