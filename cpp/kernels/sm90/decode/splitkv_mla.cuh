@@ -411,7 +411,7 @@ struct SplitKvMlaKernel {
         warpgroup_fence_operand(tOrP);
       }
     };
-    // P (bf16, or e4m3 unscaled since P <= 1) into the page's shared tile.
+    // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the page's shared tile.
     auto store_p = [&](const auto& tP, int page_role) {
       Tensor sP = p_tile(page_role);
       CUTE_UNROLL

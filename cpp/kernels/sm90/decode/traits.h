@@ -169,7 +169,7 @@ struct Traits<config::KvFormat::kBf16> {
 // Both GEMMs run as FP8 WGMMA (e4m3 x e4m3 -> f32, k = 32 per instruction),
 // which takes A and B from shared memory K-major only:
 //   S = Q K^T : Q and the K page as loaded are K-major (channel contiguous).
-//   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled since P <= 1) is
+//   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled: P <= 256) is
 //               K-major; V must be token-contiguous per channel, so each
 //               consumer WG transposes its 256 channels of the page into a
 //               V^T buffer (byte permutes, see transpose_v in the skeleton).
