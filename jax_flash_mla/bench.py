@@ -77,7 +77,7 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "rotation_sets", "iters", "repeats", "us_median", "us_min", "us_max", "tflops", "gbps",
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
-               "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops")
+               "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops")
 
 
 class Timing(NamedTuple):
@@ -96,15 +96,18 @@ def _pick(x, checksum):
     return lax.dynamic_index_in_dim(x.reshape(-1), jnp.isnan(checksum).astype(jnp.int32), keepdims=False)
 
 
-def time_loop(body, carry, args=(), *, iters: int, repeats: int) -> Timing:
+def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = False) -> Timing:
     """Device µs of one `carry = body(i, carry, args)`.
 
-    `iters` of them run in one jitted fori_loop (a static trip count: no host round trip per iteration) whose
-    carry is donated, so the loop state needs no initial copy; time = wall time after block_until_ready / iters.
-    Compile and two warm-up runs are excluded; median, min and max over `repeats` runs.
+    `iters` of them run in one jitted fori_loop (a static trip count) whose carry is donated, so the loop state
+    needs no initial copy; time = wall time after block_until_ready / iters. Compile and two warm-up runs are
+    excluded; median, min and max over `repeats` runs. `unroll`: straight-line code instead of a while loop (whose
+    predicate may cost a host round trip per iteration on a GPU); only for bodies whose iterations stay apart
+    through real data dependencies: unrolled, XLA drops the optimization barriers, fuses elementwise iterations
+    into one pass and merges identical ones.
     """
     def loop(carry, args):
-        return lax.fori_loop(0, iters, lambda i, c: body(i, c, args), carry)
+        return lax.fori_loop(0, iters, lambda i, c: body(i, c, args), carry, unroll=unroll)
 
     run = jax.jit(loop, donate_argnums=0).lower(carry, args).compile()
     for _ in range(2):
@@ -118,7 +121,7 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int) -> Timing:
     return Timing(float(np.median(us)), float(us.min()), float(us.max()))
 
 
-def time_per_call(step, args, *, iters: int, repeats: int) -> Timing:
+def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False) -> Timing:
     """Device µs of one `step(i, checksum, *args)` (see the module docstring for the loop).
 
     `args` and the running checksum pass through an optimization barrier each iteration, so no part of the step is
@@ -129,7 +132,7 @@ def time_per_call(step, args, *, iters: int, repeats: int) -> Timing:
         args, checksum = lax.optimization_barrier((args, checksum))
         outputs = step(i, checksum, *args)
         return checksum + sum(_pick(x, checksum).astype(jnp.float32) for x in jax.tree.leaves(outputs))
-    return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats)
+    return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats, unroll=unroll)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,7 +314,7 @@ def result_row(shape: Shape, kv_format, path, timing: Timing, lengths, ceilings:
 
 
 def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_reference, ceilings, iters, repeats,
-                progress: Progress, seed):
+                progress: Progress, seed, unroll=False):
     """Times every (format, path) of one shape; returns CSV rows, plus rows with no_kernel=True for the table."""
     rng = np.random.default_rng([seed, list(SHAPES).index(shape.name)])
     lengths = sequence_lengths(shape, batch, seqlen, rng)
@@ -320,11 +323,11 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
     q_sets, latent, tables = build_problem(shape, lengths, sets, rng, jax.random.key(seed))
     seqlens = jnp.asarray(lengths)
     meta = get_mla_metadata(seqlens, shape.seqlen_q * shape.heads_q // HEADS_KV, HEADS_KV)
-    overhead = time_per_call(empty_step, (q_sets, tables), iters=iters, repeats=repeats).median_us
+    overhead = time_per_call(empty_step, (q_sets, tables), iters=iters, repeats=repeats, unroll=unroll).median_us
     progress.note(f"{shape.name}: batch {batch}, sum s_k {int(lengths.sum())}, {sets} rotation set(s), loop "
                   f"overhead {overhead:.1f} us")
     with_anchors = anchors and shape.name in ANCHORS_US["FlashMLA bf16"]
-    setup = dict(rotation_sets=sets, iters=iters, repeats=repeats, loop_overhead_us=overhead)
+    setup = dict(rotation_sets=sets, iters=iters, repeats=repeats, loop_overhead_us=overhead, unrolled=unroll)
     usable = kernel_formats()
     rows = []
     for kv_format in kv_formats:
@@ -335,7 +338,7 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
         by_path = {}
         for path in paths:
             timing = time_per_call(decode_step(shape, kv_format, path), (q_in, tables, cache, seqlens, meta, scales),
-                                   iters=iters, repeats=repeats)
+                                   iters=iters, repeats=repeats, unroll=unroll)
             by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup
             progress.case(f"{shape.name} {kv_format} {path}: {timing.median_us:.1f} us "
                           f"({timing.min_us:.1f}-{timing.max_us:.1f})")
@@ -424,6 +427,9 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, help="decode calls per timed loop (default 50; quick 3)")
     parser.add_argument("--repeats", type=int, help="timed loops per case (default 10; quick 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unroll", action="store_true",
+                        help="time the decode calls as straight-line code, not in a while loop (the ceilings keep "
+                             "the loop); each call still waits on the last one's output")
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
@@ -445,7 +451,7 @@ def main(argv=None):
     for name in args.shapes:
         rows += bench_shape(SHAPES[name], args.formats, batch=batch, seqlen=seqlen, anchors=anchors,
                             skip_reference=args.skip_reference, ceilings=ceilings, iters=iters, repeats=repeats,
-                            progress=progress, seed=args.seed)
+                            progress=progress, seed=args.seed, unroll=args.unroll)
 
     measured = [r for r in rows if not r.get("no_kernel")]
     csv_path, png_path = output_path(args.csv, "bench.csv"), output_path(args.png, "bench.png")

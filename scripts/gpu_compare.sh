@@ -6,7 +6,8 @@
 # its .carry to .carry_<name>; then on the GPU machine, with carry=[".carry_<name>", ...]:
 #   BUILDS="main sync slab" bash scripts/gpu_compare.sh
 # Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
-# "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
+# "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
+# --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
 # out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -41,8 +42,10 @@ for i in "${!builds[@]}"; do
       --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$OUT/racecheck_$name.log" 2>&1
     line+=" racecheck rc=$? ($(grep -E 'RACECHECK SUMMARY' "$OUT/racecheck_$name.log" | sed 's/=* *RACECHECK SUMMARY: //'));"
   fi
+  read -r -a bench_args <<< "${BENCH_ARGS:-}"
   timeout 200 "$PY" -m jax_flash_mla.bench --skip-reference --formats "$(echo "$formats" | tr ' ' ',')" \
-    --shapes "${SHAPES:-M1,C1,C2}" --csv "$OUT/bench_$name.csv" --png /tmp/bench_"$name".png > "$OUT/bench_$name.log" 2>&1
+    --shapes "${SHAPES:-M1,C1,C2}" --csv "$OUT/bench_$name.csv" --png /tmp/bench_"$name".png "${bench_args[@]}" \
+    > "$OUT/bench_$name.log" 2>&1
   line+=" bench rc=$?"
   summary+=("$line")
   grep -E "^(M1|C1|C2|VL) " "$OUT/bench_$name.log" | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us\n", n, $1, $2, $4}' \

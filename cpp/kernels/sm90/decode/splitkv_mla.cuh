@@ -57,6 +57,7 @@
 #include "kernels/sm90/decode/softmax.h"
 #include "kernels/sm90/decode/splitkv_mla.h"
 #include "kernels/sm90/decode/traits.h"
+#include "kernels/sm90/decode/wgmma.h"
 
 namespace jax_flash_mla::sm90 {
 
@@ -367,34 +368,17 @@ struct SplitKvMlaKernel {
       Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
       Tensor tSrK = thr_qk.partition_fragment_B(sK);
       warpgroup_fence_operand(tSrS);
-      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
       CUTE_UNROLL
       for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) {
         mbarrier_wait(&plan.k_full[stage_of(i)][slab], phase_of(i));
         warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
-        CUTE_UNROLL
-        for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
-          gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-          mma_qk.accumulate_ = GMMA::ScaleOut::One;
-        }
+        wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, slab > 0, slab * kStepsPerSlab);
       }
       warpgroup_commit_batch();
     };
-    // O_w (+)= P V_w over the page's tokens (k-steps of 16 or 32 tokens).
-    auto pv_gemm = [&](auto& mma, const auto& tOrP, const auto& tOrV, bool accumulate) __attribute__((always_inline)) {
-      warpgroup_fence_operand(tOrO);
-      warpgroup_arrive();
-      mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tOrP); ++k) {
-        gemm(mma, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-    };
-    // ... with P from shared memory ...
+    // O_w (+)= P V_w with P from shared memory ...
     auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
-      pv_gemm(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), accumulate);
+      wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), tOrO, accumulate);
     };
     // ... or with the WG's own P (fp32 probabilities in the S fragment)
     // rounded to bf16 in registers.
@@ -407,7 +391,7 @@ struct SplitKvMlaKernel {
         CUTE_UNROLL
         for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tP(v));
         warpgroup_fence_operand(tOrP);
-        pv_gemm(mma_pv_regs, tOrP, v_operand(i, page_role), accumulate);
+        wgmma_batch(mma_pv_regs, tOrP, v_operand(i, page_role), tOrO, accumulate);
         warpgroup_fence_operand(tOrP);
       }
     };
@@ -859,32 +843,15 @@ struct SplitKvMlaKernel {
         auto q_ops = q_operands();
         auto& tSrQ = cute::get<0>(q_ops);
         auto& tSrQR = cute::get<1>(q_ops);
+        constexpr int kGroupSteps = Tr::kGroupChannels / 32;
         auto issue_group = [&](auto& T, int g) {
-          warpgroup_fence_operand(T);
-          warpgroup_arrive();
-          mma_nope.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int k = 0; k < Tr::kGroupChannels / 32; ++k) {
-            gemm(mma_nope, tSrQ(_, _, g * 4 + k), tSrKN(_, _, g * 4 + k), T);
-            mma_nope.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
+          wgmma_batch<kGroupSteps>(mma_nope, tSrQ, tSrKN, T, false, g * kGroupSteps);
         };
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tSrT0);
         warpgroup_arrive();
-        mma_rope.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tSrQR); ++k) {
-          gemm(mma_rope, tSrQR(_, _, k), tSrKR(_, _, k), tSrS);
-          mma_rope.accumulate_ = GMMA::ScaleOut::One;
-        }
-        mma_nope.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int k = 0; k < Tr::kGroupChannels / 32; ++k) {
-          gemm(mma_nope, tSrQ(_, _, k), tSrKN(_, _, k), tSrT0);
-          mma_nope.accumulate_ = GMMA::ScaleOut::One;
-        }
+        wgmma_k_steps(mma_rope, tSrQR, tSrKR, tSrS, false);
+        wgmma_k_steps<kGroupSteps>(mma_nope, tSrQ, tSrKN, tSrT0, false);
         warpgroup_commit_batch();
         // The transpose's 32 temporaries while only S and T0 are in flight.
         transpose_v(plan.k[stage], plan.vt[it & 1], wg, tid, valid);
@@ -1015,15 +982,7 @@ struct SplitKvMlaKernel {
           Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
           Tensor tOrV = thr_pv.partition_fragment_B(local_tile(
               sV, Shape<Int<Tr::kPVBlockChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0)));  // (MMA, 1, 2)
-          warpgroup_fence_operand(tOrT);
-          warpgroup_arrive();
-          mma_pv.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int k = 0; k < size<2>(tOrP); ++k) {
-            gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrT);
-            mma_pv.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
+          wgmma_batch(mma_pv, tOrP, tOrV, tOrT, false);
           Tensor tOrOj = tOrO(_, _, j);
           if (rescale) {
             CUTE_UNROLL
