@@ -35,18 +35,18 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* ba
 }
 
 // The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
-// 4-8) part of a page, each slab on its own full barrier (full_bars[slab]),
-// so the consumers can start S on the first slab while the rest lands.
+// 4-8) part of a page, each on its own full barrier, so the consumers can
+// start S on one part while the other lands and hand the parts back apart.
 template <class Traits>
-__device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, uint64_t* full_bars,
+__device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, uint64_t* full_bar,
                                                   typename Traits::Element* slot, int head_k, int block,
                                                   int part) {
   constexpr int kSlabElems = config::kPageSize * 64;
   const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
   const int end = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs;
+  mbarrier_arrive_expect_tx(full_bar, uint32_t((end - first) * kSlabElems * sizeof(typename Traits::Element)));
   for (int c = first; c < end; ++c) {
-    mbarrier_arrive_expect_tx(&full_bars[c], uint32_t(kSlabElems * sizeof(typename Traits::Element)));
-    tma_load_4d(map, &full_bars[c], slot + c * kSlabElems, c * 64, head_k, 0, block);
+    tma_load_4d(map, full_bar, slot + c * kSlabElems, c * 64, head_k, 0, block);
   }
 }
 

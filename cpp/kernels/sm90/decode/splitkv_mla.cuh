@@ -129,7 +129,7 @@ struct SplitKvMlaKernel {
           // Left part first: the consumers release it first and S starts on it.
           for (int part = 0; part < 2; ++part) {
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
-            load_kv_page_part<Tr>(&args.k_map, plan.k_full[stage], plan.k[stage], head_k, block, part);
+            load_kv_page_part<Tr>(&args.k_map, &plan.k_full[stage][part], plan.k[stage], head_k, block, part);
           }
         }
       }
@@ -331,8 +331,8 @@ struct SplitKvMlaKernel {
     // The two rows this thread holds (fragment row halves 0 and 1).
     const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
     constexpr int kSteps = decltype(size<2>(tSrQ))::value;
-    constexpr int kStepsPerSlab = kSteps / decode_cfg::kSlabs;
-    static_assert(kStepsPerSlab * decode_cfg::kSlabs == kSteps, "k-steps per slab");
+    constexpr int kLeftSteps = kSteps * decode_cfg::kLeftSlabs / decode_cfg::kSlabs;
+    static_assert(kLeftSteps * decode_cfg::kSlabs == kSteps * decode_cfg::kLeftSlabs, "k-steps per slab");
 
     auto stage_of = [](int i) { return i % Tr::kNumStages; };
     auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
@@ -357,23 +357,20 @@ struct SplitKvMlaKernel {
           local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
     };
 
-    // Slabs [first, end) of page i's slot have landed.
-    auto wait_slabs = [&](int i, int first, int end) {
-      for (int slab = first; slab < end; ++slab) mbarrier_wait(&plan.k_full[stage_of(i)][slab], phase_of(i));
-    };
-    // S = Q K^T of page i over the 576 channels, slab by slab as they land.
+    // S = Q K^T of page i over the 576 channels; the left part's k-steps
+    // are issued while the right part may still be landing.
     // (always_inline: called from three places, it would otherwise become a
     // call, with the accumulators passed through the stack.)
     auto issue_s = [&](int i) __attribute__((always_inline)) {
       Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
       Tensor tSrK = thr_qk.partition_fragment_B(sK);
       warpgroup_fence_operand(tSrS);
-      CUTE_UNROLL
-      for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) {
-        mbarrier_wait(&plan.k_full[stage_of(i)][slab], phase_of(i));
-        warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
-        wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, slab > 0, slab * kStepsPerSlab);
-      }
+      mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
+      warpgroup_arrive();
+      wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
+      mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
+      warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
+      wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
       warpgroup_commit_batch();
     };
     // O_w (+)= P V_w with P from shared memory ...
@@ -551,7 +548,7 @@ struct SplitKvMlaKernel {
             if constexpr (Tr::kVNeedsTranspose) {
               // V^T_B's last reader (the last pair's P_B V_B,L) retired
               // before this pair's S_A did.
-              wait_slabs(ib, 0, decode_cfg::kLeftSlabs);
+              mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
               transpose_v(plan.k[stage_of(ib)], plan.vt[1], 0, tid, c.end_token - (page + 1) * kBlockN);
               fence_proxy_async_smem();
             }
@@ -587,7 +584,7 @@ struct SplitKvMlaKernel {
           if constexpr (Tr::kVNeedsTranspose) {
             // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
             // V^T_B,R by its P_B V_B,R, queued before S_B.
-            wait_slabs(ia, decode_cfg::kLeftSlabs, 2 * decode_cfg::kLeftSlabs);  // V channels 256-511
+            mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
             transpose_v(plan.k[stage_of(ia)], plan.vt[0], 1, tid, c.end_token - page * kBlockN);
             if (has_b) {
               warpgroup_wait<1>();
@@ -1102,8 +1099,8 @@ struct SplitKvMlaKernel {
           mbarrier_init(&plan.k_full[s], 1);
           mbarrier_init(&plan.k_empty[s], kConsumers / 32);
         } else {
-          for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) mbarrier_init(&plan.k_full[s][slab], 1);
           for (int part = 0; part < 2; ++part) {
+            mbarrier_init(&plan.k_full[s][part], 1);
             mbarrier_init(&plan.k_empty[s][part], 4);  // the 4 warps of the part's warpgroup
           }
         }

@@ -151,10 +151,9 @@ struct Traits<config::KvFormat::kBf16> {
     float ref_max[2][decode_cfg::kBlockM];
     // Partial row sums at the end of a chunk, per warpgroup.
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    // Per slot: one transaction barrier per 64-channel slab (S starts on a
-    // slab as soon as it landed), and per part (0: slabs 0-3, 1: slabs 4-8)
-    // the barrier its consumer WG (4 warps) arrives on when done with it.
-    alignas(8) uint64_t k_full[kNumStages][decode_cfg::kSlabs];
+    // Per slot and part (0: slabs 0-3, 1: slabs 4-8): TMA landed
+    // (transaction barrier); the part's consumer WG (4 warps) is done with it.
+    alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
@@ -224,7 +223,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     alignas(1024) Element p[kNumPTiles][kPElems];
     float ref_max[2][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    alignas(8) uint64_t k_full[kNumStages][decode_cfg::kSlabs];
+    alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
