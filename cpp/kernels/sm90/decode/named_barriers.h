@@ -13,9 +13,15 @@ namespace jax_flash_mla::sm90 {
 
 enum class NamedBarriers : int {
   kQReady = 1,    // Q tile of the next chunk is in shared memory
-  kMaxReady = 2,  // both warpgroups published this page's row maxima
-  kPReady = 3,    // both halves of P are in shared memory (and stale V rows zeroed)
+  kMaxReady = 2,  // fp8_ds_mla: both warpgroups published this page's row maxima
+  kPReady = 3,    // fp8_ds_mla: both halves of P are in shared memory (and stale V rows zeroed)
   kSumReady = 4,  // both warpgroups published their partial row sums
+  // bf16 / fp8_per_tensor page pairs (both warpgroups sync: compute-sanitizer's racecheck
+  // reported the P and row-max hand-offs as hazards with a bar.arrive on the publishing side).
+  kPageAReady = 5,  // WG0 published page A's P and running row max (stale V rows of A zeroed)
+  kPageBReady = 6,  // WG1 published page B's P and running row max (stale V rows of B zeroed)
+  kWg0Local = 7,    // WG0's own shared-memory writes (P, V^T, zeroed rows) before its WGMMA reads them
+  kWg1Local = 8,    // the same for WG1
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {

@@ -1,5 +1,5 @@
-// Paged K/V tile loads: one page (64 tokens x 576 channels of one KV head) per
-// TMA transaction group, addressed through block_table.
+// Paged K/V tile loads: a page (64 tokens x 576 channels of one KV head) in
+// one or two TMA transaction groups, addressed through block_table.
 //
 // The cache [num_blocks, 64, h_kv, 576] is described to the TMA unit as a 4-D
 // tensor (channel, head, token-in-page, block), so a page of head hk is the box
@@ -13,7 +13,9 @@
 
 #include <cuda.h>
 
+#include "config.h"
 #include "kernels/sm90/decode/named_barriers.h"
+#include "kernels/sm90/decode/traits.h"
 
 namespace jax_flash_mla::sm90 {
 
@@ -32,16 +34,18 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// Issues the nine channel slabs of one page into a K slot (K-major, 4096
-// elements per slab) and arms the slot's full barrier with the page's bytes.
+// The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
+// 4-8) part of a page, each on its own full barrier, so the consumers can
+// start S on one part while the other lands and hand the parts back apart.
 template <class Traits>
-__device__ __forceinline__ void load_kv_page(const CUtensorMap* map, uint64_t* full_bar,
-                                             typename Traits::Element* slot, int head_k, int block) {
-  mbarrier_arrive_expect_tx(full_bar, Traits::kKTileBytes);
-  constexpr int kSlabs = config::kHeadDimQK / 64;
+__device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, uint64_t* full_bar,
+                                                  typename Traits::Element* slot, int head_k, int block,
+                                                  int part) {
   constexpr int kSlabElems = config::kPageSize * 64;
-#pragma unroll
-  for (int c = 0; c < kSlabs; ++c) {
+  const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
+  const int end = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs;
+  mbarrier_arrive_expect_tx(full_bar, uint32_t((end - first) * kSlabElems * sizeof(typename Traits::Element)));
+  for (int c = first; c < end; ++c) {
     tma_load_4d(map, full_bar, slot + c * kSlabElems, c * 64, head_k, 0, block);
   }
 }

@@ -12,9 +12,13 @@
 //   P  : 64 rows x 64 tokens of softmax probabilities, exchanged between the
 //        two consumer warpgroups through shared memory.
 //
-// Work split between the two consumer warpgroups (WG0, WG1) for one page:
-//   S_w = Q . K[32w : 32w+32]^T      (64 x 32, K = 576)  -- no FLOP done twice
-//   O_w += P . V[:, 256w : 256w+256] (64 x 256, K = 64)  -- each WG owns half of O
+// Work split between the two consumer warpgroups (WG0, WG1), bf16 and
+// fp8_per_tensor: pages go in pairs (A, B); WG0 computes S_A = Q K_A^T and the
+// softmax of A, WG1 those of B (64 x 64, K = 576), and each WG accumulates
+// both pages into its half of O: O_w += P_A V_A[:, 256w..] + P_B V_B[:, 256w..].
+// No FLOP is done twice, and each page's S reads Q once (a 64 x 64 WGMMA
+// instead of two 64 x 32 ones). fp8_ds_mla still splits every page's tokens
+// between the WGs (kBlockNPerWG).
 //
 // Other formats specialize Traits<> with their own element types / layouts.
 // FP8 WGMMA reads B only K-major, so fp8_per_tensor (kVNeedsTranspose) adds
@@ -52,10 +56,15 @@ inline constexpr int kNumThreads = kNumConsumerThreads + 128;
 // setmaxnreg budget: 2 x 128 x 232 + 128 x 40 = 64512 <= 65536 registers.
 inline constexpr int kConsumerRegs = 232;
 inline constexpr int kProducerRegs = 40;
-// Each consumer WG computes S for half of the page's tokens ...
+// fp8_ds_mla: each consumer WG computes S for half of the page's tokens.
 inline constexpr int kBlockNPerWG = kBlockN / kNumConsumerWGs;        // 32
-// ... and owns half of O's columns.
+// Each consumer WG owns half of O's columns ...
 inline constexpr int kHeadDimVPerWG = kHeadDimV / kNumConsumerWGs;    // 256
+// ... which are the first four 64-channel slabs of a page (WG0: the left
+// part of a K slot) or the next four (WG1, with the RoPE slab: the right
+// part). bf16 and fp8_per_tensor load and release the two parts separately.
+inline constexpr int kLeftSlabs = kHeadDimVPerWG / 64;                // 4
+inline constexpr int kSlabs = kHeadDimQK / 64;                        // 9
 // TMA boxes are 64 channels wide: a 128-byte swizzle needs an inner box
 // extent of at most 128 bytes (cuTensorMapEncodeTiled, CU_TENSOR_MAP_SWIZZLE_128B).
 inline constexpr int kTmaBoxChannels = 64;
@@ -107,9 +116,20 @@ struct Traits<config::KvFormat::kBf16> {
 
   // One warpgroup per TiledMMA (the two consumer WGs run their own copies).
   using TiledMmaQK = decltype(cute::make_tiled_mma(
-      cute::SM90_64x32x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+      cute::SM90_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+  // O += P V with the other WG's P from shared memory ...
   using TiledMmaPV = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{}));
+  // ... and with the WG's own P from registers: the fp32 accumulator fragment
+  // of a 64x64 S, rounded to bf16 element by element, is the A fragment of
+  // four k16 steps (PTX ISA wgmma register fragments: same rows, and columns
+  // 8j + 2(lane % 4) + {0, 1} in both).
+  using TiledMmaPVRegs = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{}));
+  static constexpr bool kOwnPInRegisters = true;
+  // One P tile: WG0 writes P_A for WG1; WG1 overwrites it with P_B for WG0
+  // once its read of P_A retired (each WG reads its own P from registers).
+  static constexpr int kNumPTiles = 1;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
@@ -117,21 +137,24 @@ struct Traits<config::KvFormat::kBf16> {
   // Bytes the TMA delivers per page (one mbarrier transaction count).
   static constexpr uint32_t kKTileBytes = kKElems * sizeof(Element);  // 73728
 
-  // 216 KB of tiles + 8 KB of P + 1.5 KB of row statistics + barriers:
-  // 225.6 KB, under the 227 KB a block may opt into on sm_90.
+  // 216 KB of tiles + 8 KB of P + 1 KB of row statistics + barriers:
+  // 225 KB, under the 227 KB a block may opt into on sm_90. Two stages hold
+  // exactly one page pair: each part of a slot is refilled as soon as its
+  // last reader retired, and the next pair's S starts on the left parts.
   struct SharedMemoryPlan {
     // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle
     // pattern repeats every 8 rows of 128 bytes; TMA requires it too).
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
-    alignas(1024) Element p[kPElems];
-    // Row maxima of the current page, per parity and warpgroup: double
-    // buffered so a WG may write page i+1's while the other still reads page i's.
-    float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    alignas(1024) Element p[kNumPTiles][kPElems];
+    // Running row maxima after page A (written by WG0) and after page B (WG1).
+    float ref_max[2][decode_cfg::kBlockM];
     // Partial row sums at the end of a chunk, per warpgroup.
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    alignas(8) uint64_t k_full[kNumStages];   // TMA landed (transaction barrier)
-    alignas(8) uint64_t k_empty[kNumStages];  // all 8 consumer warps done with the slot
+    // Per slot and part (0: slabs 0-3, 1: slabs 4-8): TMA landed
+    // (transaction barrier); the part's consumer WG (4 warps) is done with it.
+    alignas(8) uint64_t k_full[kNumStages][2];
+    alignas(8) uint64_t k_empty[kNumStages][2];
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
@@ -145,7 +168,7 @@ struct Traits<config::KvFormat::kBf16> {
 // Both GEMMs run as FP8 WGMMA (e4m3 x e4m3 -> f32, k = 32 per instruction),
 // which takes A and B from shared memory K-major only:
 //   S = Q K^T : Q and the K page as loaded are K-major (channel contiguous).
-//   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled since P <= 1) is
+//   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled: P <= 256) is
 //               K-major; V must be token-contiguous per channel, so each
 //               consumer WG transposes its 256 channels of the page into a
 //               V^T buffer (byte permutes, see transpose_v in the skeleton).
@@ -153,14 +176,11 @@ struct Traits<config::KvFormat::kBf16> {
 // swizzle (8 rows x 64 bytes atoms); nine boxes still cover the 576
 // channels, each landing as one contiguous 4 KB slab.
 //
-// Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 4096
-// + row statistics 1536 + barriers 48 (219136 with padding), plus 1 KB of
-// alignment slack: kSmemBytes = 220160 (215 KB of the 227 KB opt-in limit).
-// V^T is double buffered by page parity: the transpose of page i+1 starts
-// right after that page's S WGMMA is issued, when other warps of the same WG
-// may still be reading V^T of page i (a warp's wgmma.wait_group covers only
-// its own share of the P V WGMMA); page i+2 rewrites page i's buffer after
-// kPReady of page i+1, which every warp reaches after retiring page i's P V.
+// Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 2 x 4096
+// + row statistics 768 + barriers 96, plus 1 KB of alignment slack (about
+// 219 KB of the 227 KB opt-in limit). V^T and P have one buffer per page of
+// the pair (A, B); each WG writes and reads only its own 256 channels of V^T,
+// so its transposes need no cross-WG ordering, only its own WGMMA waits.
 template <>
 struct Traits<config::KvFormat::kFp8PerTensor> {
   using Element = cutlass::float_e4m3_t;  // q, k_cache, P
@@ -183,8 +203,12 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   using SmemLayoutV = KMajorTile<KAtom, decode_cfg::kHeadDimV, decode_cfg::kBlockN>;
   using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
-  using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>{}));
+  using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
+  // The k = 32 A fragment of FP8 WGMMA does not match the S accumulator
+  // fragment, so both WGs read P from shared memory (one tile per page).
+  static constexpr bool kOwnPInRegisters = false;
+  static constexpr int kNumPTiles = 2;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
@@ -195,12 +219,12 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
-    alignas(1024) Element vt[2][kVtElems];  // by page parity; WG w fills channels 256w..256w+255
-    alignas(1024) Element p[kPElems];
-    float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
+    alignas(1024) Element p[kNumPTiles][kPElems];
+    float ref_max[2][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    alignas(8) uint64_t k_full[kNumStages];
-    alignas(8) uint64_t k_empty[kNumStages];
+    alignas(8) uint64_t k_full[kNumStages][2];
+    alignas(8) uint64_t k_empty[kNumStages][2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
