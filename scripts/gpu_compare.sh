@@ -8,8 +8,8 @@
 # Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
 # --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
-# out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT
-# (seconds for the GPU tests of one build, default 240); BASELINE_FORMATS (formats benched for the baseline,
+# out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
+# RACECHECK_TIMEOUT (seconds for one build's GPU tests / racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
 # default FORMATS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -64,7 +64,8 @@ printf '%s\n' "${summary[@]}"
 for f in "$logs"/racecheck_*.log; do
   [[ -f $f ]] && grep -q -E "(Error|Warning): Race" "$f" || continue
   echo "==== $(basename "$f"): first hazards"
-  grep -E -A3 "(Error|Warning): Race" "$f" | head -40
+  # Device functions are printed with their whole template signature: keep the offset and the source line.
+  grep -E -A1 "(Error|Warning): Race" "$f" | sed -E 's/at void .*\+(0x[0-9a-f]+) in /at +\1 in /' | cut -c1-240 | head -20
 done
 if [[ -n ${OUT:-} ]]; then tar czf "$OUT/compare_logs.tar.gz" -C "$logs" .; fi
 echo
