@@ -471,8 +471,13 @@ struct SplitKvMlaKernel {
         issue_pv_smem(i, page_role, accumulate);
       }
     };
-    constexpr bool kEarlyS0 = Tr::kNumStages >= 3;
-    constexpr bool kEarlyS1 = Tr::kNumStages >= 3;
+    // Each WG queues its S of the next pair right behind its last P V of this
+    // pair when the ring holds three pages or more (fp8_per_tensor); with two
+    // (bf16), page B' reuses B's slot, which is free only once P_B V_B
+    // retired. Early S also relies on V^T: the K slot is released before the
+    // P V that follows it, so nothing is left to release after the S.
+    constexpr bool kEarlyS = Tr::kNumStages >= 3;
+    static_assert(!kEarlyS || Tr::kVNeedsTranspose, "early S releases K slots before their P V");
 
     int it = 0;  // pages consumed by this CTA, across chunks (ring position)
     // The pair at `page` of a chunk ending at page_end: whether it has a page
@@ -506,33 +511,27 @@ struct SplitKvMlaKernel {
       // zeros for rows without keys, so a chunk with no page never exposes it.
       bool accumulate = false;
 
-      // Each WG's S of the next pair is queued right behind its last P V of
-      // this pair (WG1: only when the ring holds three pages or more; with
-      // two, page B' reuses B's slot, which is free only once P_B V_B,R
-      // retired). The first pair's S are issued here.
+      // With early S, the first pair's S are issued here.
       const int page_begin = c.first_page(), page_end = c.end_page();
       if (page_begin < page_end) {
-        if (wg == 0 && kEarlyS0) issue_s(it);
-        if (wg == 1 && kEarlyS1 && page_begin + 1 < page_end) issue_s(it + 1);
+        if (wg == 0 && kEarlyS) issue_s(it);
+        if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1);
       }
 
       // One pair loop per warpgroup (the branch outside the loops), so that
       // no control-flow path joins one WG's in-flight WGMMAs with the other's
       // code: ptxas would serialize every WGMMA (C7514).
       if (wg == 0) {
-        int pending_release = -1;  // (bf16) page B of the last pair, whose P_B V_B,L is in flight
         for (int page = page_begin; page < page_end; page += 2) {
           const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
           float factor[2];
           // ---------------------------------------------------- WG0: page A
-          if (!kEarlyS0) issue_s(ia);
+          if (!kEarlyS) issue_s(ia);
           if constexpr (Tr::kVNeedsTranspose) {
             transpose_v(plan.k[stage_of(ia)], plan.vt[0], 0, tid, c.end_token - page * kBlockN);
           }
-          // S_A, and the last pair's P_B V_B,L queued before it. (A wait_group 1
-          // to release B's slot earlier makes ptxas serialize every WGMMA, C7514.)
+          // S_A, and (early S) the last pair's P_B V_B,L queued before it.
           warpgroup_wait<0>();
-          if (pending_release >= 0) release(pending_release);
           warpgroup_fence_operand(tSrS);
           if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
           mask(tSrS, page);
@@ -542,7 +541,6 @@ struct SplitKvMlaKernel {
           publish_max(softmax, plan.ref_max[0]);
           publish_page(tSrS, ia, page, 0, c, factor, accumulate);
           accumulate = true;
-          pending_release = -1;
           if (has_b) {
             // ------------------------------------------ WG0: page B's left half
             if constexpr (Tr::kVNeedsTranspose) {
@@ -561,9 +559,8 @@ struct SplitKvMlaKernel {
             rescale_o(factor);
             if constexpr (Tr::kVNeedsTranspose) named_barrier_sync(own_barrier, 128);  // V^T_B,L complete
             issue_pv_smem(ib, 1, true);
-            if (kEarlyS0 && has_next) {
+            if (kEarlyS && has_next) {
               issue_s(ib + 1);
-              if constexpr (!Tr::kVNeedsTranspose) pending_release = ib;
             } else {
               warpgroup_wait<0>();
               warpgroup_fence_operand(tOrO);
@@ -580,7 +577,7 @@ struct SplitKvMlaKernel {
           const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
           float factor[2];
           // ---------------------------------------------------- WG1: page B
-          if (!kEarlyS1 && has_b) issue_s(ib);
+          if (!kEarlyS && has_b) issue_s(ib);
           if constexpr (Tr::kVNeedsTranspose) {
             // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
             // V^T_B,R by its P_B V_B,R, queued before S_B.
@@ -623,7 +620,7 @@ struct SplitKvMlaKernel {
           if constexpr (!Tr::kVNeedsTranspose) release(ia);
           if (has_b) {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
-            if (kEarlyS1 && next_has_b) {
+            if (kEarlyS && next_has_b) {
               issue_s(ib + 2);
             } else {
               warpgroup_wait<0>();
