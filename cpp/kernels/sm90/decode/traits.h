@@ -134,8 +134,6 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
   static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
-  // Bytes the TMA delivers per page (one mbarrier transaction count).
-  static constexpr uint32_t kKTileBytes = kKElems * sizeof(Element);  // 73728
 
   // 216 KB of tiles + 8 KB of P + 1 KB of row statistics + barriers:
   // 225 KB, under the 227 KB a block may opt into on sm_90. Two stages hold
@@ -214,7 +212,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
   static constexpr int kVtElems = decode_cfg::kHeadDimV * decode_cfg::kBlockN;
   static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
-  static constexpr uint32_t kKTileBytes = kKElems * sizeof(Element);  // 36864
 
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
