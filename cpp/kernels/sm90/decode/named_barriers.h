@@ -20,8 +20,8 @@ enum class NamedBarriers : int {
   // reported the P and row-max hand-offs as hazards with a bar.arrive on the publishing side).
   kPageAReady = 5,  // WG0 published page A's P and running row max (stale V rows of A zeroed)
   kPageBReady = 6,  // WG1 published page B's P and running row max (stale V rows of B zeroed)
-  kWg0Local = 7,    // WG0's own shared-memory writes (P, V^T, zeroed rows) before its WGMMA reads them
-  kWg1Local = 8,    // the same for WG1
+  // Both WGs take part in every page hand-off, so these also order each WG's
+  // own writes (P, V^T, zeroed rows) before its WGMMAs read them.
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {

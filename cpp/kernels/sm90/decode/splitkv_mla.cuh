@@ -178,7 +178,7 @@ struct SplitKvMlaKernel {
   // so each warp access spreads evenly over the 64-byte swizzle pattern of
   // both tiles (4 wavefronts per 256 bytes). Branch-free: it runs while this
   // WG's S WGMMA is in flight. The writer's fence.proxy.async and a barrier
-  // (its WG's own, or kPReady) order the stores before the P V WGMMA.
+  // (a page-ready barrier, or kPReady) order the stores before the P V WGMMA.
   // Addresses are 32-bit shared-window offsets from the layouts (ld/st.shared,
   // no generic addressing); each 8-byte piece stays inside one 16-byte
   // swizzle unit, so it is contiguous in both tiles.
@@ -436,34 +436,30 @@ struct SplitKvMlaKernel {
     // bf16: slots past the chunk's end get P = 0, but 0 * NaN = NaN in P V:
     // the page's owner zeroes their V rows (all 512 channels) after its S
     // retired, before the ready barrier that lets the other WG read them.
-    // (fp8_per_tensor zeroes them in the V^T transpose instead.) Uniform
-    // over the WG; returns whether it wrote.
+    // (fp8_per_tensor zeroes them in the V^T transpose instead.)
     auto zero_stale_v = [&](int i, int page, const Chunk& c) {
-      if constexpr (Tr::kVNeedsTranspose) {
-        return false;
-      } else {
+      if constexpr (!Tr::kVNeedsTranspose) {
         const int first = c.end_token - page * kBlockN;
-        if (first >= kBlockN) return false;
+        if (first >= kBlockN) return;
         Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
         constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
         for (int j = tid; j < (kBlockN - first) * kPiecesPerRow; j += 128) {
           const int t = first + j / kPiecesPerRow;
           *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, (j % kPiecesPerRow) * 8))) = make_uint4(0, 0, 0, 0);
         }
-        return true;
       }
     };
-    const NamedBarriers own_barrier = wg == 0 ? NamedBarriers::kWg0Local : NamedBarriers::kWg1Local;
     // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
     // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
     // then rescales O by `factor` and queues the WG's own P V.
     auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
                             const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
-      const bool zeroed = zero_stale_v(i, page, c);
+      zero_stale_v(i, page, c);
       store_p(tP, page_role);
       fence_proxy_async_smem();
+      // Both WGs pass the ready barrier, so it also orders this WG's own
+      // writes (P, zeroed V rows) before its WGMMA reads them.
       named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
-      if (!Tr::kOwnPInRegisters || zeroed) named_barrier_sync(own_barrier, 128);
       rescale_o(factor);
       if constexpr (Tr::kOwnPInRegisters) {
         issue_pv_regs(tP, i, page_role, accumulate);
@@ -557,7 +553,6 @@ struct SplitKvMlaKernel {
             if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
             adopt_max(softmax, plan.ref_max[1], factor);
             rescale_o(factor);
-            if constexpr (Tr::kVNeedsTranspose) named_barrier_sync(own_barrier, 128);  // V^T_B,L complete
             issue_pv_smem(ib, 1, true);
             if (kEarlyS && has_next) {
               issue_s(ib + 1);
@@ -606,7 +601,6 @@ struct SplitKvMlaKernel {
           if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
           adopt_max(softmax, plan.ref_max[0], factor);
           rescale_o(factor);
-          if constexpr (Tr::kVNeedsTranspose) named_barrier_sync(own_barrier, 128);  // V^T_A,R and V^T_B,R complete
           issue_pv_smem(ia, 0, accumulate);
           accumulate = true;
           if (has_b) {
