@@ -167,67 +167,78 @@ struct SplitKvMlaKernel {
   }
 
   // ------------------------------------------------------- V^T (FP8 formats)
-  // Consumer WG `wg` writes V^T[c][t] = K[t][c] for its channels
+  // Token order inside V^T rows and P columns. The transpose below moves
+  // tokens in pairs (ldmatrix .trans works on 16-bit elements), so within each
+  // group of 16 tokens token u lands at column
+  //   4 ((u % 8) / 2) + 2 (u / 8) + u % 2,
+  // i.e. columns 4q..4q+3 hold tokens 2q, 2q+1, 2q+8, 2q+9. P V sums over
+  // tokens, so P's columns only have to follow the same order; adjacent
+  // tokens (2k, 2k+1) stay adjacent, so P is still stored in pairs.
+  __device__ __forceinline__ static int p_column(int t) {
+    if constexpr (Tr::kVNeedsTranspose) {
+      const int u = t % 16;
+      return t - u + 4 * ((u % 8) / 2) + 2 * (u / 8) + u % 2;
+    } else {
+      return t;
+    }
+  }
+
+  // Consumer WG `wg` writes V^T[c][p_column(t)] = K[t][c] for its channels
   // c in [256 wg, 256 wg + 256) and the page's 64 tokens, with zeros for tokens
   // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
-  // and 0 * NaN = NaN in P V). Each thread moves two 8-token x 8-channel byte
-  // blocks: eight 8-byte loads (one per token), a byte transpose in registers
-  // (four 4x4 transposes of two __byte_perm stages each), eight 8-byte stores
-  // (one per channel). Lane (a, c8) = (lane / 8, lane % 8) of warp w takes the
-  // channel group 8 w + c8 and the token group (c8 + a + 4 k) % 8 in round k,
-  // so each warp access spreads evenly over the 64-byte swizzle pattern of
-  // both tiles (4 wavefronts per 256 bytes). Branch-free: it runs while this
-  // WG's S WGMMA is in flight. The writer's fence.proxy.async and a barrier
-  // (a page-ready barrier, or kPReady) order the stores before the P V WGMMA.
-  // Addresses are 32-bit shared-window offsets from the layouts (ld/st.shared,
-  // no generic addressing); each 8-byte piece stays inside one 16-byte
-  // swizzle unit, so it is contiguous in both tiles.
-  __device__ static void transpose_v(const Element* k_slot, Element* vt, int wg, int tid, int valid) {
+  // and 0 * NaN = NaN in P V): their ldmatrix rows point at a 16-byte zero
+  // row instead, so the code stays branch-free while this WG's S WGMMA runs.
+  // Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
+  //   ldmatrix.x4.trans: matrix m = tokens 8 (m % 2) + 0..7 x channels
+  //     16 (m / 2) + 0..15 as 8x8 b16; lane i gets, of channels c, c + 1
+  //     (c = 2 (i / 4) [+ 16 for m >= 2]), tokens 2q, 2q + 1 (q = i % 4)
+  //     [+ 8 for odd m], one register per matrix;
+  //   two PRMT per matrix pair: channel c's bytes of tokens 2q, 2q+1, 2q+8,
+  //     2q+9 in one register, channel c + 1's in the other;
+  //   stmatrix.x4: row r of a matrix is one channel's 16 token bytes. Rows of
+  //     the first matrix hold channels 0, 2, 4, 6, 9, 11, 13, 15 (the second
+  //     the others): with the 64-byte swizzle those 8 rows fall in 8 distinct
+  //     16-byte bank groups (even channels only would conflict 2-way), the
+  //     per-lane choice costing nothing (a PRMT selector register).
+  // The loads are conflict-free too (8 consecutive tokens of one swizzle
+  // unit). The writer's fence.proxy.async and a barrier both WGs pass (a
+  // page-ready barrier, or kPReady) order the stores before the P V WGMMA.
+  __device__ static void transpose_v(const Element* k_slot, Element* vt, const Element* zeros, int wg, int tid,
+                                     int valid) {
     static_assert(sizeof(Element) == 1, "byte transpose");
     const typename Tr::SmemLayoutK layout_k{};
     const typename Tr::SmemLayoutV layout_vt{};
     const uint32_t k_base = smem_addr(k_slot);
     const uint32_t vt_base = smem_addr(vt);
+    const uint32_t zero_row = smem_addr(zeros);
     const int lane = tid % 32;
-    const int c8 = lane % 8;
-    const int ch0 = wg * decode_cfg::kHeadDimVPerWG + ((tid / 32) * 8 + c8) * 8;
+    const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
+    const int ld_token = 8 * (m % 2) + r;
+    const int ld_channel = 16 * (m / 2);
+    const bool odd_first = r >= 4;  // stmatrix rows: see above
+    const int st_channel = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(odd_first));
+    // This lane's registers go to stmatrix row lane / 4.
+    const bool lane_odd_first = lane / 4 >= 4;
+    const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
+    const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
+    const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
     CUTE_UNROLL
-    for (int round = 0; round < 2; ++round) {
-      const int t0 = ((c8 + lane / 8 + 4 * round) % 8) * 8;
-      uint32_t r[8][2];
-      CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        uint32_t w0, w1;
-        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
-                     : "=r"(w0), "=r"(w1)
-                     : "r"(k_base + uint32_t(layout_k(t0 + i, ch0)))
-                     : "memory");  // stays after the k_full wait
-        const bool ok = t0 + i < valid;
-        r[i][0] = ok ? w0 : 0u;
-        r[i][1] = ok ? w1 : 0u;
-      }
-      uint32_t o[8][2];  // o[j][h]: channel ch0 + j, tokens t0 + 4h .. t0 + 4h + 3
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {    // token half
-        CUTE_UNROLL
-        for (int g = 0; g < 2; ++g) {  // channel half (word of the token row)
-          const uint32_t x0 = r[4 * h + 0][g], x1 = r[4 * h + 1][g];
-          const uint32_t x2 = r[4 * h + 2][g], x3 = r[4 * h + 3][g];
-          // Interleave rows pairwise (x0 x1 bytes 0,1 | 2,3), then pairs of pairs.
-          const uint32_t y0 = __byte_perm(x0, x1, 0x5140), y1 = __byte_perm(x0, x1, 0x7362);
-          const uint32_t y2 = __byte_perm(x2, x3, 0x5140), y3 = __byte_perm(x2, x3, 0x7362);
-          o[4 * g + 0][h] = __byte_perm(y0, y2, 0x5410);
-          o[4 * g + 1][h] = __byte_perm(y0, y2, 0x7632);
-          o[4 * g + 2][h] = __byte_perm(y1, y3, 0x5410);
-          o[4 * g + 3][h] = __byte_perm(y1, y3, 0x7632);
-        }
-      }
-      CUTE_UNROLL
-      for (int j = 0; j < 8; ++j) {
-        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(vt_base + uint32_t(layout_vt(ch0 + j, t0))),
-                     "r"(o[j][0]), "r"(o[j][1])
-                     : "memory");
-      }
+    for (int block = 0; block < 8; ++block) {
+      const int ch0 = warp_channels + (block / 4) * 32;
+      const int t0 = (block % 4) * 16;
+      const int token = t0 + ld_token;
+      const uint32_t src = token < valid ? k_base + uint32_t(layout_k(token, ch0 + ld_channel)) : zero_row;
+      uint32_t d[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                   : "r"(src)
+                   : "memory");  // stays after the k_full wait
+      const uint32_t o0 = __byte_perm(d[0], d[1], sel_first), o1 = __byte_perm(d[0], d[1], sel_second);
+      const uint32_t o2 = __byte_perm(d[2], d[3], sel_first), o3 = __byte_perm(d[2], d[3], sel_second);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       vt_base + uint32_t(layout_vt(ch0 + st_channel, t0))),
+                   "r"(o0), "r"(o1), "r"(o2), "r"(o3)
+                   : "memory");
     }
   }
 
@@ -392,12 +403,13 @@ struct SplitKvMlaKernel {
         warpgroup_fence_operand(tOrP);
       }
     };
-    // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the page's shared tile.
+    // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the
+    // page's shared tile, its columns in V^T's token order.
     auto store_p = [&](const auto& tP, int page_role) {
       Tensor sP = p_tile(page_role);
       CUTE_UNROLL
       for (int v = 0; v < size(tP); v += 2) {
-        Element* dst = raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))));
+        Element* dst = raw_pointer_cast(&sP(get<0>(tScS(v)), p_column(get<1>(tScS(v)))));
         if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
           *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(tP(v), tP(v + 1));
         } else {
@@ -524,7 +536,7 @@ struct SplitKvMlaKernel {
           // ---------------------------------------------------- WG0: page A
           if (!kEarlyS) issue_s(ia);
           if constexpr (Tr::kVNeedsTranspose) {
-            transpose_v(plan.k[stage_of(ia)], plan.vt[0], 0, tid, c.end_token - page * kBlockN);
+            transpose_v(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
           }
           // S_A, and (early S) the last pair's P_B V_B,L queued before it.
           warpgroup_wait<0>();
@@ -543,7 +555,7 @@ struct SplitKvMlaKernel {
               // V^T_B's last reader (the last pair's P_B V_B,L) retired
               // before this pair's S_A did.
               mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
-              transpose_v(plan.k[stage_of(ib)], plan.vt[1], 0, tid, c.end_token - (page + 1) * kBlockN);
+              transpose_v(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
               fence_proxy_async_smem();
             }
             named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
@@ -577,10 +589,10 @@ struct SplitKvMlaKernel {
             // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
             // V^T_B,R by its P_B V_B,R, queued before S_B.
             mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
-            transpose_v(plan.k[stage_of(ia)], plan.vt[0], 1, tid, c.end_token - page * kBlockN);
+            transpose_v(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
             if (has_b) {
               warpgroup_wait<1>();
-              transpose_v(plan.k[stage_of(ib)], plan.vt[1], 1, tid, c.end_token - (page + 1) * kBlockN);
+              transpose_v(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
             }
             fence_proxy_async_smem();
           }
@@ -842,7 +854,7 @@ struct SplitKvMlaKernel {
         wgmma_k_steps<kGroupSteps>(mma_nope, tSrQ, tSrKN, tSrT0, false);
         warpgroup_commit_batch();
         // The transpose's 32 temporaries while only S and T0 are in flight.
-        transpose_v(plan.k[stage], plan.vt[it & 1], wg, tid, valid);
+        transpose_v(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
         issue_group(tSrT1, 1);
 
         // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
@@ -942,7 +954,9 @@ struct SplitKvMlaKernel {
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); v += 2) {
             // Same (row, column) in every group's tile: one offset, four stores.
-            const uint32_t at = p_base + uint32_t(layout_p(get<0>(tScS(v)), wg * kNPerWG + get<1>(tScS(v))));
+            // Columns in V^T's token order (p_column keeps token pairs adjacent).
+            const uint32_t at =
+                p_base + uint32_t(layout_p(get<0>(tScS(v)), p_column(wg * kNPerWG + get<1>(tScS(v)))));
             CUTE_UNROLL
             for (int g = 0; g < kGroups; ++g) {
               const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
@@ -1097,6 +1111,10 @@ struct SplitKvMlaKernel {
         }
       }
       fence_mbarrier_init();
+    }
+    if constexpr (Tr::kVNeedsTranspose) {
+      // The row transpose_v reads for tokens past the chunk.
+      if (threadIdx.x < sizeof(plan.zeros) / sizeof(uint32_t)) reinterpret_cast<uint32_t*>(plan.zeros)[threadIdx.x] = 0u;
     }
     if (threadIdx.x == kConsumers && p.num_blocks > 0) tma_prefetch_descriptor(&args.k_map);
     __syncthreads();

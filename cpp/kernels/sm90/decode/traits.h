@@ -171,7 +171,8 @@ struct Traits<config::KvFormat::kBf16> {
 //   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled: P <= 256) is
 //               K-major; V must be token-contiguous per channel, so each
 //               consumer WG transposes its 256 channels of the page into a
-//               V^T buffer (byte permutes, see transpose_v in the skeleton).
+//               V^T buffer (ldmatrix.trans + byte permutes + stmatrix,
+//               see transpose_v in the skeleton).
 // A row of one 64-channel box is 64 bytes, so every tile uses the 64-byte
 // swizzle (8 rows x 64 bytes atoms); nine boxes still cover the 576
 // channels, each landing as one contiguous 4 KB slab.
@@ -220,6 +221,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     alignas(1024) Element k[kNumStages][kKElems];
     alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
     alignas(1024) Element p[kNumPTiles][kPElems];
+    alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float ref_max[2][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
@@ -323,6 +325,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     alignas(1024) Element k[kNumStages][kKElems];
     alignas(1024) Element vt[2][kVtElems];
     alignas(1024) Element p[kNumGroups][kPElems];  // P_g, one tile per output group
+    alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float q_scale[decode_cfg::kBlockM][kNumGroups];
     float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
