@@ -103,7 +103,7 @@ def _readme_figures(kv_format, dataset):
                  for table in (README_EMULATION, README_EMULATION_FP8_Q_P, README_KERNEL))
 
 
-def evaluate(datasets, kv_formats, *, batch, seqlen, heads, seed):
+def evaluate(datasets, kv_formats, *, batch, seqlen, heads, seed, num_sms=None):
     """Scores every (data set, format, path); returns one dict per row with the keys of CSV_COLUMNS."""
     usable = kernel_formats()
     rows = []
@@ -113,7 +113,7 @@ def evaluate(datasets, kv_formats, *, batch, seqlen, heads, seed):
         true_out, true_lse = attention_f64(q, tokens)
         pool, table = page_tokens(rng, tokens)
         seqlens = jnp.full((batch,), seqlen, jnp.int32)
-        meta = get_mla_metadata(seqlens, heads, 1)
+        meta = get_mla_metadata(seqlens, heads, 1, num_sms=num_sms)
         q4 = q[:, None]  # [b, s_q = 1, h, 576]
         for kv_format in kv_formats:
             q_in, cache, scales = format_inputs(kv_format, q4, pool)
@@ -194,6 +194,9 @@ def main(argv=None):
     parser.add_argument("--formats", default=",".join(KV_FORMATS), type=list_flag(KV_FORMATS, "--formats"),
                         help=f"comma list of {','.join(KV_FORMATS)} (default all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-sms", type=int,
+                        help="scheduler partitions (default: the device's SM count); as few as the batch makes each "
+                             "sequence one split-KV chunk, the longest accumulation a kernel runs")
     parser.add_argument("--csv", help="CSV path (default accuracy.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default accuracy.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
@@ -203,12 +206,16 @@ def main(argv=None):
     if seqlen % PAGE_SIZE or seqlen < PAGE_SIZE:
         parser.error(f"--seqlen must be a positive multiple of {PAGE_SIZE}")
 
-    rows = evaluate(args.datasets, args.formats, batch=batch, seqlen=seqlen, heads=heads, seed=args.seed)
+    if args.num_sms is not None and args.num_sms < 1:
+        parser.error("--num-sms must be >= 1")
+    rows = evaluate(args.datasets, args.formats, batch=batch, seqlen=seqlen, heads=heads, seed=args.seed,
+                    num_sms=args.num_sms)
     csv_path, png_path = output_path(args.csv, "accuracy.csv"), output_path(args.png, "accuracy.png")
     write_csv(rows, csv_path, CSV_COLUMNS)
     plotted = plot(rows, png_path)
     print(f"\njax {jax.__version__} on {jax.devices()[0].device_kind}; kernels usable: "
-          f"{sorted(kernel_formats()) or 'none'}; batch {batch}, {seqlen} tokens, {heads} heads, h_kv 1, s_q 1")
+          f"{sorted(kernel_formats()) or 'none'}; batch {batch}, {seqlen} tokens, {heads} heads, h_kv 1, s_q 1"
+          + (f", {args.num_sms} scheduler SMs" if args.num_sms else ""))
     print(f"CSV {csv_path}" + (f"; PNG {png_path}" if plotted else ""))
     print(f"rel-L2 of out and max|dlse| vs float64 attention of the bf16 latent; floor = float64 attention on the "
           f"format's dequantized data; '!' = over {REGRESSION_FACTOR}x the largest README §4 figure"

@@ -100,3 +100,14 @@ def test_accuracy_quick(tmp_path, capsys):
         elif r["path"] == "reference":
             assert abs(error - floor) < 0.1 * floor  # f32 math on the dequantized data lands on the floor
     assert capsys.readouterr().out.splitlines()[-1].startswith("small_latent  fp8_ds_mla")
+
+
+def test_accuracy_num_sms(tmp_path, capsys):
+    """--num-sms reaches the scheduler (one partition: every sequence is one split-KV chunk); 0 is refused."""
+    accuracy.main(["--quick", "--batch", "1", "--seqlen", "128", "--heads", "4", "--formats", "bf16",
+                   "--datasets", "gaussian", "--num-sms", "1", "--csv", str(tmp_path / "a.csv"),
+                   "--png", str(tmp_path / "a.png")])
+    assert ", 1 scheduler SMs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        accuracy.main(["--quick", "--num-sms", "0"])
+    assert "--num-sms must be >= 1" in capsys.readouterr().err

@@ -770,16 +770,14 @@ struct SplitKvMlaKernel {
     Tensor tSrT0 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
     Tensor tSrT1 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
     Tensor tScS = thr_rope.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNPerWG>>{}));
-    // O: this WG's two output groups (2 wg, 2 wg + 1) of 128 channels as four
-    // 64-channel blocks, (MMA, 1, 4); block j belongs to group 2 wg + j / 2.
-    constexpr int kPVBlocks = decode_cfg::kHeadDimVPerWG / Tr::kPVBlockChannels;  // 4
+    // O: this WG's two output groups (2 wg, 2 wg + 1) of 128 channels,
+    // (MMA, 1, 2); block j is group 2 wg + j.
+    constexpr int kPVBlocks = decode_cfg::kHeadDimVPerWG / Tr::kGroupChannels;  // 2
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
-    Tensor tOrT = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<Tr::kPVBlockChannels>>{});
     Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
     static_assert(size(tSrS) == kNPerWG / 2, "two rows x N/4 columns per thread");
     static_assert(size(tSrT0) == size(tSrS), "QK accumulators share the m64n32 layout");
-    static_assert(size(tOrT) * kPVBlocks == size(tOrO), "four 64-channel blocks per WG");
-    static_assert(decode_cfg::kHeadDimVPerWG == 2 * Tr::kGroupChannels);
+    static_assert(decltype(size<2>(tOrO))::value == kPVBlocks, "one WGMMA block per output group");
     const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
     // Value v of an m64n32 fragment is column 8 (v / 4) + 2 (lane % 4) + v % 2
     // of the WG's 32 tokens; these byte offsets (from this thread's first
@@ -814,6 +812,9 @@ struct SplitKvMlaKernel {
       OnlineSoftmaxState softmax;
       softmax.reset();
       // O is written (not accumulated) at the chunk's first page.
+      // Running per-group normalizer N_g: the largest k_scale[., g] of the
+      // chunk's tokens so far. O_g holds (true O_g) * 256 / N_g.
+      float norm[kGroups] = {0.f, 0.f, 0.f, 0.f};
 
       const int page_begin = c.first_page();
       const int page_end = c.end_page();
@@ -853,12 +854,17 @@ struct SplitKvMlaKernel {
         wgmma_k_steps(mma_rope, tSrQR, tSrKR, tSrS, false);
         wgmma_k_steps<kGroupSteps>(mma_nope, tSrQ, tSrKN, tSrT0, false);
         warpgroup_commit_batch();
-        // The transpose's 32 temporaries while only S and T0 are in flight.
+        // The transpose while S, T0 and the last page's P V are in flight.
         transpose_v(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
+        // All retired here, the last P V included: a wait_group 1 over a batch
+        // carried around the page loop makes ptxas serialize every WGMMA (C7514).
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
         issue_group(tSrT1, 1);
 
         // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
-        // Every warp reduces all 64 tokens (two per lane) on its own.
+        // Every warp reduces all 64 tokens (two per lane) on its own, so all
+        // agree on the running N_g = max(N_g, n_g) and on how much O_g shrinks.
         float n[kGroups];
         {
           float4 s0, s1;
@@ -882,6 +888,13 @@ struct SplitKvMlaKernel {
             n[g] = n[g] > 0.f ? n[g] : 1.f;  // scales are positive powers of two; guard anyway
           }
         }
+        float shrink[kGroups];  // N_g old / new: exact for power-of-two scales; unused at the first page
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          const float grown = fmaxf(norm[g], n[g]);
+          shrink[g] = norm[g] / grown;
+          norm[g] = grown;
+        }
 
         // S += (q_scale[r, g] * k_scale[t, g]) * T_g, in fp32. q_scale is read
         // from shared memory each time (8 fewer live registers next to O).
@@ -895,8 +908,6 @@ struct SplitKvMlaKernel {
             tSrS(v) += (qs[fragment_row_half(v)] * ks[token_of(v)]) * T(v);
           }
         };
-        warpgroup_wait<1>();  // RoPE and group 0
-        warpgroup_fence_operand(tSrS);
         promote(tSrT0, 0);
         issue_group(tSrT0, 2);
         warpgroup_wait<1>();  // group 1
@@ -924,8 +935,8 @@ struct SplitKvMlaKernel {
         float o_scale[2];
         softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
 
-        // P_g = e4m3(p * k_scale[t, g] * 256 / n_g) for all four groups of this WG's 32 tokens.
-        // c[j][g] = k_scale[t_j, g] * 256 / n_g, from one 16-byte load per token;
+        // P_g = e4m3(p * k_scale[t, g] * 256 / N_g) for all four groups of this WG's 32 tokens.
+        // c[j][g] = k_scale[t_j, g] * 256 / N_g, from one 16-byte load per token;
         // 0 past the chunk (p is 0 there, but 0 * NaN would be NaN).
         float c[8][kGroups];
         CUTE_UNROLL
@@ -942,9 +953,12 @@ struct SplitKvMlaKernel {
           c[j][2] = x.z;
           c[j][3] = x.w;
         }
+        // The slot's last reads (S retired, V^T and the scales copied): the
+        // producer may refill it while this page's softmax and P V run.
+        release_slot(plan, stage, lane);
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
-          const float f = __fdiv_rn(256.f, n[g]);  // a power of two when n_g is
+          const float f = __fdiv_rn(256.f, norm[g]);  // a power of two when N_g is
           CUTE_UNROLL
           for (int j = 0; j < 8; ++j) c[j][g] *= f;
         }
@@ -966,41 +980,49 @@ struct SplitKvMlaKernel {
             }
           }
         }
-        // n_g / 256 of this WG's two output groups (n[2 wg + gl], without a
-        // dynamically indexed register array); the other two n die here.
-        const float fo[2] = {(wg == 0 ? n[0] : n[2]) * (1.f / 256.f), (wg == 0 ? n[1] : n[3]) * (1.f / 256.f)};
-        fence_proxy_async_smem();
-        named_barrier_sync(NamedBarriers::kPReady, kConsumers);
-
-        // Per output group: T = P_g V_g (fresh), then O_g = O_g * o_scale + T * n_g / 256,
-        // one 64-channel block at a time. O is rescaled (only when a row maximum
-        // moved) while the block's WGMMA runs; it is not one of its operands.
-        const bool rescale = page != page_begin && (o_scale[0] != 1.f || o_scale[1] != 1.f);
+        // Rescale O (no WGMMA reads it now: the last P V retired before this
+        // page's S did) by the row-max factor and, per group, N_g old / new;
+        // then O_g += P_g V_g for this WG's two groups, left in flight until
+        // the next page's S waits (or the chunk's end).
+        const bool first_page = page == page_begin;
         CUTE_UNROLL
         for (int j = 0; j < kPVBlocks; ++j) {
-          const int gl = j / 2;  // group 2 wg + gl
-          Tensor sP = make_tensor(make_smem_ptr(plan.p[2 * wg + gl]), typename Tr::SmemLayoutP{});
-          Tensor tOrP = thr_pv.partition_fragment_A(sP);  // (MMA, 1, 2)
-          Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
-          Tensor tOrV = thr_pv.partition_fragment_B(local_tile(
-              sV, Shape<Int<Tr::kPVBlockChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0)));  // (MMA, 1, 2)
-          wgmma_batch(mma_pv, tOrP, tOrV, tOrT, false);
-          Tensor tOrOj = tOrO(_, _, j);
-          if (rescale) {
+          const float sh = wg == 0 ? shrink[j] : shrink[2 + j];  // group 2 wg + j, without dynamic indexing
+          if (!first_page && (o_scale[0] != 1.f || o_scale[1] != 1.f || sh != 1.f)) {
+            const float f[2] = {o_scale[0] * sh, o_scale[1] * sh};
+            Tensor tOrOj = tOrO(_, _, j);
             CUTE_UNROLL
-            for (int v = 0; v < size(tOrT); ++v) tOrOj(v) *= o_scale[fragment_row_half(v)];
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrT);
-          if (page == page_begin) {
-            CUTE_UNROLL
-            for (int v = 0; v < size(tOrT); ++v) tOrOj(v) = tOrT(v) * fo[gl];
-          } else {
-            CUTE_UNROLL
-            for (int v = 0; v < size(tOrT); ++v) tOrOj(v) = fmaf(tOrT(v), fo[gl], tOrOj(v));
+            for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f[fragment_row_half(v)];
           }
         }
-        release_slot(plan, stage, lane);
+        fence_proxy_async_smem();
+        named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int j = 0; j < kPVBlocks; ++j) {
+          Tensor sP = make_tensor(make_smem_ptr(plan.p[2 * wg + j]), typename Tr::SmemLayoutP{});
+          Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
+          Tensor tOrOj_mn = tOrO(_, _, j);  // (MMA, 1) -> (MMA, 1, 1), the rank gemm() expects of C
+          Tensor tOrOj = make_tensor(tOrOj_mn.data(), append<3>(tOrOj_mn.layout(), Layout<_1, _0>{}));
+          wgmma_k_steps(mma_pv, thr_pv.partition_fragment_A(sP),
+                        thr_pv.partition_fragment_B(local_tile(
+                            sV, Shape<Int<Tr::kGroupChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0))),
+                        tOrOj, !first_page);
+        }
+        warpgroup_commit_batch();
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      // O_g * N_g / 256: the true O_g (a chunk has at least one page here).
+      if (page_begin < page_end) {
+        CUTE_UNROLL
+        for (int j = 0; j < kPVBlocks; ++j) {
+          const float f = (wg == 0 ? norm[j] : norm[2 + j]) * (1.f / 256.f);
+          Tensor tOrOj = tOrO(_, _, j);
+          CUTE_UNROLL
+          for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f;
+        }
       }
       Chunk ce = c;
       ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;

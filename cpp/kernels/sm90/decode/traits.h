@@ -240,12 +240,13 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 //   - S = Q_rope K_rope^T (bf16 WGMMA, 4 k-steps) then per group g a fresh
 //     FP8 WGMMA T_g (4 k-steps of 32) promoted in fp32:
 //     S += (q_scale[r,g] * k_scale[t,g]) * T_g.
-//   - P per output group: P_g[t] = e4m3(p[t] * k_scale[t,g] * 256 / n_g),
-//     n_g the largest k_scale[., g] of the page's tokens in the chunk (a power
-//     of two, so the factor is exact); the row sum keeps the unrounded p.
-//   - O_g per page: T = P_g V_g (FP8 WGMMA, 2 k-steps, fresh), promoted
-//     O_g = O_g * o_scale + T * n_g / 256. V^T is transposed from the slot as
-//     for fp8_per_tensor.
+//   - P per output group: P_g[t] = e4m3(p[t] * k_scale[t,g] * 256 / N_g),
+//     N_g the largest k_scale[., g] of the chunk's tokens so far (a power of
+//     two, so the factor is exact); the row sum keeps the unrounded p.
+//   - O_g += P_g V_g (FP8 WGMMA, 2 k-steps) straight into O, which holds
+//     O_g * 256 / N_g: when N_g grows, O_g shrinks by N_old / N_new (with the
+//     row-max rescale), and the epilogue multiplies by N_g / 256. V^T is
+//     transposed from the slot as for fp8_per_tensor.
 //
 // TMA: one uint8 map over (656 bytes, head, token-in-page, block) with the
 // 64-byte box and 64-byte swizzle of fp8_per_tensor; eleven boxes per page:
@@ -306,11 +307,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   using TiledMmaQKNope = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>{}));
   // The skeleton's generic names (the consumer of this format uses the two above).
   using TiledMmaQK = TiledMmaQKNope;
-  // A WG owns output groups 2w and 2w+1 (256 channels); each group runs as two
-  // 64-channel WGMMAs so the fresh temporary is 32 registers next to O's 128
-  // (a 64x128 temporary made ptxas spill under a 232-register budget).
-  static constexpr int kPVBlockChannels = 64;
-  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
+  // A WG owns output groups 2w and 2w+1 (256 channels): one 64x128 WGMMA
+  // block per group, accumulating straight into O (O_g is kept in units of
+  // N_g / 256, so no per-page temporary is needed).
+  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>{}));
 
   static constexpr int kQElems = decode_cfg::kBlockM * kHeadDimNope;
   static constexpr int kQRopeElems = decode_cfg::kBlockM * kHeadDimRope;
