@@ -1,10 +1,12 @@
-"""Host emulation of transpose_v's lane mapping (cpp/kernels/sm90/decode/splitkv_mla.cuh).
+"""Host emulation of the FP8 kernels' shared-memory lane mappings (cpp/kernels/sm90/decode/splitkv_mla.cuh).
 
-Replays, for one warpgroup and a 64-token page of e4m3 bytes, what ldmatrix.x4.trans, the four
-byte permutes and stmatrix.x4 do per lane (PTX ISA "ldmatrix" / "stmatrix" fragment layouts), on
-the 64-byte-swizzled K slot and V^T tiles, and checks:
+transpose_v: replays, for one warpgroup and a 64-token page of e4m3 bytes, what ldmatrix.x4.trans, the four
+byte permutes and stmatrix.x4 do per lane (PTX ISA "ldmatrix" / "stmatrix" fragment layouts), on the
+64-byte-swizzled K slot and V^T tiles, and checks
   - V^T[c][p_column(t)] == K[t][c] for valid tokens, 0 past `valid`;
   - every 8-lane phase of each ldmatrix / stmatrix touches 8 distinct 16-byte bank groups.
+store_p_e4m3: replays the stmatrix store of P from the WGMMA accumulator fragment (m64n64 for fp8_per_tensor,
+each WG's m64n32 half for fp8_ds_mla) and checks P_tile[row][p_column(t)] == P[row][t], conflict-free.
 Run: python3 scripts/emulate_vt_transpose.py   (prints "ok" or raises)
 """
 import numpy as np
@@ -98,6 +100,52 @@ def run(wg, valid, rng):
             assert got == want, (wg, valid, c, t, got, want)
 
 
+def stmatrix(tile, addrs, regs):
+    """stmatrix.x4 (b16, no .trans): lane L addresses row L % 8 of matrix L / 8; lane i's register m holds row
+    i / 4, bytes 4 (i % 4) .. + 3 of matrix m."""
+    check_conflicts(addrs, "stmatrix")
+    for m in range(4):
+        for lane in range(32):
+            word = regs[lane][m]
+            for i in range(4):
+                tile[addrs[8 * m + lane // 4] + 4 * (lane % 4) + i] = (word >> (8 * i)) & 0xFF
+
+
+def run_store_p(n_per_wg, rng):
+    """P (64 rows x 64 tokens of e4m3 bytes) stored by both WGs from fragments of n_per_wg tokens each."""
+    p = rng.integers(0, 256, size=(64, 64), dtype=np.uint8)
+    tile = np.full(64 * 64, 0xAA, np.uint8)
+    groups = n_per_wg // 16
+    for wg in range(64 // n_per_wg):
+        first_group = wg * groups
+        for warp in range(4):
+            # Accumulator value v of lane i: row 16 warp + i / 4 + 8 ((v / 2) % 2), token 8 (v / 4) + 2 (i % 4) + v % 2
+            # of the WG's n_per_wg tokens.
+            def value(lane, v):
+                row = 16 * warp + lane // 4 + 8 * ((v // 2) % 2)
+                return int(p[row, wg * n_per_wg + 8 * (v // 4) + 2 * (lane % 4) + v % 2])
+
+            words = {lane: [[0] * groups for _ in range(2)] for lane in range(32)}
+            for lane in range(32):
+                for k in range(groups):
+                    for h in range(2):
+                        v = 8 * k + 2 * h
+                        b = [value(lane, v), value(lane, v + 1), value(lane, v + 4), value(lane, v + 5)]
+                        words[lane][h][k] = sum(x << (8 * i) for i, x in enumerate(b))
+            for pair in range(groups // 2):
+                addrs = []
+                for lane in range(32):
+                    m = lane // 8
+                    row = 16 * warp + 8 * (m % 2) + lane % 8
+                    addrs.append(sw64(row, 16 * (first_group + 2 * pair + m // 2)))
+                regs = {lane: [words[lane][0][2 * pair], words[lane][1][2 * pair], words[lane][0][2 * pair + 1],
+                               words[lane][1][2 * pair + 1]] for lane in range(32)}
+                stmatrix(tile, addrs, regs)
+    for row in range(64):
+        for t in range(64):
+            assert tile[sw64(row, p_column(t))] == p[row, t], (n_per_wg, row, t)
+
+
 def main():
     rng = np.random.default_rng(0)
     assert sorted(p_column(t) for t in range(64)) == list(range(64))
@@ -105,6 +153,8 @@ def main():
     for wg in (0, 1):
         for valid in (64, 100, 37, 1, 0, 16):
             run(wg, valid, rng)
+    run_store_p(64, rng)  # fp8_per_tensor: the page's owner stores all 64 tokens
+    run_store_p(32, rng)  # fp8_ds_mla: each WG its 32
     print("ok")
 
 

@@ -140,9 +140,14 @@ if [[ ${SKIP_BENCH:-0} != 1 ]]; then
     "${bench_args[@]}"
 fi
 if [[ ${SKIP_SANITIZE:-0} != 1 ]] && command -v compute-sanitizer > /dev/null; then
-  run_step memcheck sanitize.log 150 compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" tests/gpu_sanitize.py
-  run_step racecheck sanitize.log 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
-    --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py
+  # One process per format: with several kernels in one process compute-sanitizer segfaulted (rc 139, session 5)
+  # where each format alone ran clean.
+  for f in $("$PY" -c "import jax_flash_mla as fm; print(' '.join(sorted(fm.kernel_formats())))"); do
+    SANITIZE_FORMATS=$f run_step "memcheck $f" sanitize.log 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      "$PY" tests/gpu_sanitize.py
+    SANITIZE_FORMATS=$f run_step "racecheck $f" sanitize.log 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
+      --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py
+  done
 fi
 [[ ${SKIP_ACCURACY:-0} != 1 ]] &&
   run_step accuracy accuracy.log 240 "$PY" -m jax_flash_mla.accuracy --csv "$OUT/accuracy.csv" --png /tmp/accuracy.png

@@ -9,7 +9,7 @@
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
 # --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
 # out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
-# RACECHECK_TIMEOUT (seconds for one build's GPU tests / racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
+# RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
 # default FORMATS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -42,9 +42,13 @@ for i in "${!builds[@]}"; do
     line+=" tests rc=$? ($(tail -1 "$logs/pytest_$name.log" | tr -d '=' | xargs));"
   fi
   if ((i > 0)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
-    SANITIZE_FORMATS=$(echo "$formats" | tr ' ' ',') timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
-      --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$logs/racecheck_$name.log" 2>&1
-    line+=" racecheck rc=$? ($(grep -E 'RACECHECK SUMMARY' "$logs/racecheck_$name.log" | sed 's/=* *RACECHECK SUMMARY: //'));"
+    # One process per format: with several kernels in one process compute-sanitizer 2026.x segfaulted (rc 139)
+    # where each format alone ran clean (session 5).
+    for f in $formats; do
+      SANITIZE_FORMATS=$f timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+        --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$logs/racecheck_${name}_$f.log" 2>&1
+      line+=" racecheck $f rc=$? ($(grep -E 'RACECHECK SUMMARY' "$logs/racecheck_${name}_$f.log" | sed 's/=* *RACECHECK SUMMARY: //'));"
+    done
   fi
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
   bench_formats=$formats

@@ -167,19 +167,43 @@ struct SplitKvMlaKernel {
   }
 
   // ------------------------------------------------------- V^T (FP8 formats)
-  // Token order inside V^T rows and P columns. The transpose below moves
-  // tokens in pairs (ldmatrix .trans works on 16-bit elements), so within each
-  // group of 16 tokens token u lands at column
-  //   4 ((u % 8) / 2) + 2 (u / 8) + u % 2,
+  // Token order inside V^T rows and P columns ("p_column" below). The V^T
+  // transpose moves tokens in pairs (ldmatrix .trans works on 16-bit
+  // elements), so within each group of 16 tokens token u lands at column
+  //   p_column(u) = 4 ((u % 8) / 2) + 2 (u / 8) + u % 2,
   // i.e. columns 4q..4q+3 hold tokens 2q, 2q+1, 2q+8, 2q+9. P V sums over
-  // tokens, so P's columns only have to follow the same order; adjacent
-  // tokens (2k, 2k+1) stay adjacent, so P is still stored in pairs.
-  __device__ __forceinline__ static int p_column(int t) {
-    if constexpr (Tr::kVNeedsTranspose) {
-      const int u = t % 16;
-      return t - u + 4 * ((u % 8) / 2) + 2 * (u / 8) + u % 2;
-    } else {
-      return t;
+  // tokens, so P's columns only have to follow the same order, which is also
+  // the order that lets P go out by stmatrix (store_p_e4m3).
+
+  // Four probabilities as e4m3 bytes in one word, lowest address first.
+  __device__ __forceinline__ static uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
+  }
+
+  // Stores a warp's e4m3 P (rows 16 warp .. 16 warp + 15 of the 64-row tile)
+  // with stmatrix. In p_column order, the S accumulator fragment of a thread
+  // (rows lane / 4 and + 8, tokens 8j + 2 (lane % 4) + {0, 1}) puts, per row
+  // half h and token group k, 4 contiguous bytes at columns 16k + 4 (lane % 4):
+  // tokens 2q, 2q + 1 of column block 2k and the same of block 2k + 1. That is
+  // exactly a thread's element of an 8x8 b16 stmatrix tile (row lane / 4,
+  // bytes 4 (lane % 4) ..): words[h][k] goes to tile (h, first_group + k).
+  template <int kTokenGroups>
+  __device__ static void store_p_e4m3(uint32_t p_tile, int warp, int lane, const uint32_t (&words)[2][kTokenGroups],
+                                      int first_group) {
+    static_assert(kTokenGroups % 2 == 0, "two token groups x two row halves per stmatrix.x4");
+    const typename Tr::SmemLayoutP layout_p{};
+    const int m = lane / 8;  // the matrix whose row this lane addresses: (h, k) = (m % 2, m / 2)
+    const int row = 16 * warp + 8 * (m % 2) + lane % 8;
+    CUTE_UNROLL
+    for (int pair = 0; pair < kTokenGroups / 2; ++pair) {
+      const int col = 16 * (first_group + 2 * pair + m / 2);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       p_tile + uint32_t(layout_p(row, col))),
+                   "r"(words[0][2 * pair]), "r"(words[1][2 * pair]), "r"(words[0][2 * pair + 1]),
+                   "r"(words[1][2 * pair + 1])
+                   : "memory");
     }
   }
 
@@ -406,17 +430,25 @@ struct SplitKvMlaKernel {
     // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the
     // page's shared tile, its columns in V^T's token order.
     auto store_p = [&](const auto& tP, int page_role) {
-      Tensor sP = p_tile(page_role);
-      CUTE_UNROLL
-      for (int v = 0; v < size(tP); v += 2) {
-        Element* dst = raw_pointer_cast(&sP(get<0>(tScS(v)), p_column(get<1>(tScS(v)))));
-        if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-          *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(tP(v), tP(v + 1));
-        } else {
-          static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
-          *reinterpret_cast<__nv_fp8x2_storage_t*>(dst) =
-              __nv_cvt_float2_to_fp8x2(make_float2(tP(v), tP(v + 1)), __NV_SATFINITE, __NV_E4M3);
+      if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+        Tensor sP = p_tile(page_role);
+        CUTE_UNROLL
+        for (int v = 0; v < size(tP); v += 2) {
+          *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))))) =
+              __floats2bfloat162_rn(tP(v), tP(v + 1));
         }
+      } else {
+        static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
+        uint32_t words[2][kBlockN / 16];
+        CUTE_UNROLL
+        for (int k = 0; k < kBlockN / 16; ++k) {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const int v = 8 * k + 2 * h;  // column block 2k (v) and 2k + 1 (v + 4), row half h
+            words[h][k] = pack_e4m3x4(tP(v), tP(v + 1), tP(v + 4), tP(v + 5));
+          }
+        }
+        store_p_e4m3(smem_addr(raw_pointer_cast(p_tile(page_role).data())), tid / 32, lane, words, 0);
       }
     };
     auto rescale_o = [&](const float (&factor)[2]) {
@@ -962,23 +994,20 @@ struct SplitKvMlaKernel {
           CUTE_UNROLL
           for (int j = 0; j < 8; ++j) c[j][g] *= f;
         }
-        {
-          const typename Tr::SmemLayoutP layout_p{};
-          const uint32_t p_base = smem_addr(plan.p[0]);
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          uint32_t words[2][kNPerWG / 16];
           CUTE_UNROLL
-          for (int v = 0; v < size(tSrS); v += 2) {
-            // Same (row, column) in every group's tile: one offset, four stores.
-            // Columns in V^T's token order (p_column keeps token pairs adjacent).
-            const uint32_t at =
-                p_base + uint32_t(layout_p(get<0>(tScS(v)), p_column(wg * kNPerWG + get<1>(tScS(v)))));
+          for (int k = 0; k < kNPerWG / 16; ++k) {
             CUTE_UNROLL
-            for (int g = 0; g < kGroups; ++g) {
-              const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
-                  make_float2(tSrS(v) * c[token_of(v)][g], tSrS(v + 1) * c[token_of(v + 1)][g]), __NV_SATFINITE,
-                  __NV_E4M3);
-              asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(at + uint32_t(g * Tr::kPElems)), "h"(pair) : "memory");
+            for (int h = 0; h < 2; ++h) {
+              const int v = 8 * k + 2 * h;  // column block 2k (v) and 2k + 1 (v + 4), row half h
+              words[h][k] = pack_e4m3x4(tSrS(v) * c[token_of(v)][g], tSrS(v + 1) * c[token_of(v + 1)][g],
+                                        tSrS(v + 4) * c[token_of(v + 4)][g], tSrS(v + 5) * c[token_of(v + 5)][g]);
             }
           }
+          // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
+          store_p_e4m3(smem_addr(plan.p[g]), tid / 32, lane, words, 2 * wg);
         }
         // Rescale O (no WGMMA reads it now: the last P V retired before this
         // page's S did) by the row-max factor and, per group, N_g old / new;
