@@ -287,7 +287,8 @@ def test_fp8_per_tensor_error_vs_unquantized_oracle(dist):
 
 
 # docs/NUMERICS.md, design A: the F1 floor (q e4m3 per 128 channels, P e4m3; batch 16, 4096 tokens, 64 heads) and
-# A itself at 32768 tokens (batch 2), where a missing PV promotion shows (A-PV-noprom: 3.71e-2 / 4.41e-2).
+# A itself at 32768 tokens (batch 2), where an accumulator that drifts over a long P V chain would show (the
+# emulation's e8m13 model without promotion, A-PV-noprom: 3.71e-2 / 4.41e-2).
 DS_MLA_F1 = {"gaussian": 3.54e-2, "rope_outliers": 3.01e-2, "small_latent": 3.74e-2}
 DS_MLA_A_32K = {"gaussian": 2.82e-2, "small_latent": 3.70e-2}
 DS_MLA_FACTOR, DS_MLA_CAP = 1.1, 4e-2
@@ -332,9 +333,10 @@ def test_fp8_ds_mla_error_vs_unquantized_oracle(dist):
 
 @pytest.mark.parametrize("dist", ["gaussian", "small_latent"])
 @pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
-def test_fp8_ds_mla_long_chunk_pv_promotion(dist):
-    """32768 tokens in ONE chunk (metadata for a single SM: no split-KV), 512 pages through one CTA: the per-page
-    PV promotion keeps the error at the 4096-token level, where an unpromoted FP8 accumulator drifts."""
+def test_fp8_ds_mla_long_chunk_pv_accumulation(dist):
+    """32768 tokens in ONE chunk (metadata for a single SM: no split-KV), 512 pages through one CTA, whose P V
+    accumulates in one FP8 WGMMA accumulator (1024 k-steps): the error stays at design A's promoted level, not the
+    drift an e8m13 truncating accumulator would show."""
     rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=2, seqlen=32768, metadata_num_sms=1)
     print(f"[fp8_ds_mla 32K tokens, one chunk, {dist}] rel-L2 {rel:.3e} (emulated A {DS_MLA_A_32K[dist]:.2e}), "
           f"max |dlse| {dlse:.3e}; vs the jnp reference {rel_ref:.3e}")
