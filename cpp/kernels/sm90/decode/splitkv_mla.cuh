@@ -182,17 +182,28 @@ struct SplitKvMlaKernel {
     return lo | (hi << 16);
   }
 
-  // Stores a warp's e4m3 P (rows 16 warp .. 16 warp + 15 of the 64-row tile)
-  // with stmatrix. In p_column order, the S accumulator fragment of a thread
-  // (rows lane / 4 and + 8, tokens 8j + 2 (lane % 4) + {0, 1}) puts, per row
-  // half h and token group k, 4 contiguous bytes at columns 16k + 4 (lane % 4):
-  // tokens 2q, 2q + 1 of column block 2k and the same of block 2k + 1. That is
-  // exactly a thread's element of an 8x8 b16 stmatrix tile (row lane / 4,
-  // bytes 4 (lane % 4) ..): words[h][k] goes to tile (h, first_group + k).
-  template <int kTokenGroups>
-  __device__ static void store_p_e4m3(uint32_t p_tile, int warp, int lane, const uint32_t (&words)[2][kTokenGroups],
+  // Stores a warp's e4m3 P (rows 16 warp .. 16 warp + 15 of the 64-row tile):
+  // value v of the S-shaped fragment `s` times scale(v). In p_column order,
+  // the accumulator fragment of a thread (rows lane / 4 and + 8, tokens
+  // 8j + 2 (lane % 4) + {0, 1}) puts, per row half h and token group k, 4
+  // contiguous bytes at columns 16k + 4 (lane % 4): tokens 2q, 2q + 1 of
+  // column block 2k and the same of block 2k + 1. That is exactly a thread's
+  // element of an 8x8 b16 stmatrix tile (row lane / 4, bytes 4 (lane % 4) ..):
+  // words[h][k] goes to tile (h, first_group + k).
+  template <int kTokenGroups, class Frag, class Scale>
+  __device__ static void store_p_e4m3(uint32_t p_tile, int warp, int lane, const Frag& s, Scale scale,
                                       int first_group) {
     static_assert(kTokenGroups % 2 == 0, "two token groups x two row halves per stmatrix.x4");
+    uint32_t words[2][kTokenGroups];
+    CUTE_UNROLL
+    for (int k = 0; k < kTokenGroups; ++k) {
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int v = 8 * k + 2 * h;  // column block 2k (v) and 2k + 1 (v + 4), row half h
+        words[h][k] = pack_e4m3x4(s(v) * scale(v), s(v + 1) * scale(v + 1), s(v + 4) * scale(v + 4),
+                                  s(v + 5) * scale(v + 5));
+      }
+    }
     const typename Tr::SmemLayoutP layout_p{};
     const int m = lane / 8;  // the matrix whose row this lane addresses: (h, k) = (m % 2, m / 2)
     const int row = 16 * warp + 8 * (m % 2) + lane % 8;
@@ -439,16 +450,8 @@ struct SplitKvMlaKernel {
         }
       } else {
         static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
-        uint32_t words[2][kBlockN / 16];
-        CUTE_UNROLL
-        for (int k = 0; k < kBlockN / 16; ++k) {
-          CUTE_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const int v = 8 * k + 2 * h;  // column block 2k (v) and 2k + 1 (v + 4), row half h
-            words[h][k] = pack_e4m3x4(tP(v), tP(v + 1), tP(v + 4), tP(v + 5));
-          }
-        }
-        store_p_e4m3(smem_addr(raw_pointer_cast(p_tile(page_role).data())), tid / 32, lane, words, 0);
+        store_p_e4m3<kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(page_role).data())), tid / 32, lane, tP,
+                                   [](int) { return 1.f; }, 0);
       }
     };
     auto rescale_o = [&](const float (&factor)[2]) {
@@ -996,18 +999,9 @@ struct SplitKvMlaKernel {
         }
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
-          uint32_t words[2][kNPerWG / 16];
-          CUTE_UNROLL
-          for (int k = 0; k < kNPerWG / 16; ++k) {
-            CUTE_UNROLL
-            for (int h = 0; h < 2; ++h) {
-              const int v = 8 * k + 2 * h;  // column block 2k (v) and 2k + 1 (v + 4), row half h
-              words[h][k] = pack_e4m3x4(tSrS(v) * c[token_of(v)][g], tSrS(v + 1) * c[token_of(v + 1)][g],
-                                        tSrS(v + 4) * c[token_of(v + 4)][g], tSrS(v + 5) * c[token_of(v + 5)][g]);
-            }
-          }
           // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
-          store_p_e4m3(smem_addr(plan.p[g]), tid / 32, lane, words, 2 * wg);
+          store_p_e4m3<kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, tSrS,
+                                     [&](int v) { return c[token_of(v)][g]; }, 2 * wg);
         }
         // Rescale O (no WGMMA reads it now: the last P V retired before this
         // page's S did) by the row-max factor and, per group, N_g old / new;
