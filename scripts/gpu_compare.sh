@@ -2,7 +2,7 @@
 # A/B of kernel builds on one GPU machine, in one call: for each carried build, its GPU tests, racecheck on our
 # kernels and the benchmark, then one table. Timings of different builds only compare within one call (one card).
 #
-# Here (no GPU): build each candidate with scripts/build_carry.sh (in a git worktree for other commits) and copy
+# Here (no GPU): build each candidate with scripts/build_carry.sh (another commit: scripts/build_carry_at.sh) and copy
 # its .carry to .carry_<name>; then on the GPU machine, with carry=[".carry_<name>", ...]:
 #   BUILDS="main sync slab" bash scripts/gpu_compare.sh
 # Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
