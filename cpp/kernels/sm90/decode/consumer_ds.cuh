@@ -1,0 +1,384 @@
+// The fp8_ds_mla consumer (Tr::kScaleGroups): per-page token split, FP8 WGMMAs with per-group scales.
+// Member definitions of SplitKvMlaKernel<kFormat> (splitkv_mla.cuh), which
+// includes this file after the class; not a standalone header.
+#pragma once
+
+namespace jax_flash_mla::sm90 {
+
+// Design A of docs/NUMERICS.md; Traits<kFp8DsMla> has the arithmetic and the
+// shared-memory plan. Only instantiated for that format.
+
+// Q prologue: the 64 bf16 RoPE channels go to q_rope by cp.async; the 512
+// NoPE channels are quantized to e4m3 per (row, 128-channel group) with the
+// fp32 scale amax / 448 (1 for an all-zero group), q / scale rounded to
+// nearest even and saturated. 256 consumer threads = 64 rows x 4 groups:
+// thread (row, g) = (ctid / 4, ctid % 4) loads its 256 bytes, reduces, and
+// writes 128 e4m3 bytes and q_scale[row][g]. Rows past q_rows_per_head_k are
+// zeros (scale 1); their results are never stored.
+template <config::KvFormat kFormat>
+__device__ void SplitKvMlaKernel<kFormat>::load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k,
+                                                    int m_block, int ctid) {
+  using namespace cute;
+  static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
+  // Opaque to the compiler: the addresses below are recomputed per chunk
+  // rather than hoisted out of the chunk loop into registers (which spilled).
+  asm volatile("" : "+r"(ctid));
+  Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
+  auto row_src = [&](int row, bool& valid) {
+    const int r = m_block * kBlockM + row;
+    valid = r < p.q_rows_per_head_k;
+    const int s = valid ? r / p.heads_per_head_k : 0;
+    const int h = valid ? head_k * p.heads_per_head_k + r % p.heads_per_head_k : 0;
+    return q + s * p.q_seq_stride + h * p.q_head_stride;
+  };
+  constexpr int kRopePieces = Tr::kHeadDimRope / 8;  // 16-byte pieces per row
+  for (int i = ctid; i < kBlockM * kRopePieces; i += kConsumers) {
+    const int row = i / kRopePieces;
+    const int col = (i % kRopePieces) * 8;
+    bool valid;
+    const __nv_bfloat16* src = row_src(row, valid) + Tr::kHeadDimNope + col;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     smem_addr(raw_pointer_cast(&sQR(row, col)))),
+                 "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+  }
+  {
+    const int row = ctid / Tr::kNumGroups;
+    const int g = ctid % Tr::kNumGroups;
+    bool valid;
+    const uint4* src = reinterpret_cast<const uint4*>(row_src(row, valid) + g * Tr::kGroupChannels);
+    constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
+    // Two passes over the 256 bytes (the second hits L1), so only a few
+    // registers are live next to O, which stays live across chunks.
+    auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
+    auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
+    auto load = [&](int i) { return valid ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u); };
+    float amax = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < kPieces; ++i) {
+      const uint4 x = load(i);
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
+    }
+    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+    auto cvt4 = [&](uint32_t w0, uint32_t w1) {  // 4 bf16 -> 4 e4m3 bytes
+      const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fdiv_rn(lo(w0), scale), __fdiv_rn(hi(w0), scale)), __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fdiv_rn(lo(w1), scale), __fdiv_rn(hi(w1), scale)), __NV_SATFINITE, __NV_E4M3);
+      return uint32_t(a) | (uint32_t(b) << 16);
+    };
+    // SW64 e4m3 tile: channel c of row `row` is at slab c / 64 (4 KB each),
+    // byte row * 64 + (((c % 64) / 16) ^ ((row >> 1) & 3)) * 16 + c % 16.
+    // Computed here in 32 bits (a table of hoisted generic pointers spilled).
+    const uint32_t row_base =
+        smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kSlabBytes + row * 64);
+    const int sw = (row >> 1) & 3;
+    CUTE_UNROLL
+    for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
+      const uint4 x0 = load(i), x1 = load(i + 1);
+      const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
+                   "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
+                   : "memory");
+    }
+    plan.q_scale[row][g] = scale;
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
+  named_barrier_sync(NamedBarriers::kQReady, kConsumers);
+}
+
+// Shared-window address of the four fp32 scales of token t in a K slot. The
+// scale slab is 64-byte swizzled like the others: the 16-byte unit of row t
+// is unit 0 XOR ((t >> 1) & 3).
+template <config::KvFormat kFormat>
+__device__ uint32_t SplitKvMlaKernel<kFormat>::ds_scale_addr(uint32_t slot_base, int t) {
+  return slot_base + uint32_t(Tr::kScaleSlab * Tr::kSlabBytes + t * 64 + (((t >> 1) & 3) << 4));
+}
+
+template <config::KvFormat kFormat>
+__device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
+                                                      int head_k, int m_block, int wg, int tid) {
+  using namespace cute;
+  using Rope = typename Tr::ElementRope;
+  constexpr int kGroups = Tr::kNumGroups;
+  constexpr int kNPerWG = decode_cfg::kBlockNPerWG;
+  const DecodeParams& p = args.params;
+  typename Tr::TiledMmaQKRope mma_rope;
+  typename Tr::TiledMmaQKNope mma_nope;
+  typename Tr::TiledMmaPV mma_pv;
+  auto thr_rope = mma_rope.get_thread_slice(tid);
+  auto thr_nope = mma_nope.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  const int ctid = wg * 128 + tid;
+  const int lane = tid % 32;
+
+  // Q operand descriptors, rebuilt per page from a pointer the compiler
+  // cannot see through: hoisted out of the page loop, the twenty 64-bit
+  // descriptors stayed live next to O and made ptxas spill.
+  auto q_operands = [&] {
+    Element* q_nope = plan.q;
+    Rope* q_rope = plan.q_rope;
+    asm volatile("" : "+l"(q_nope), "+l"(q_rope));
+    Tensor sQ = make_tensor(make_smem_ptr(q_nope), typename Tr::SmemLayoutQ{});
+    Tensor sQR = make_tensor(make_smem_ptr(q_rope), typename Tr::SmemLayoutQRope{});
+    return cute::make_tuple(thr_nope.partition_fragment_A(sQ),   // (MMA, 1, 16) descriptors
+                            thr_rope.partition_fragment_A(sQR));  // (MMA, 1, 4)
+  };
+  Tensor tSrS = partition_fragment_C(mma_rope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+  // Two NoPE group accumulators: group g+1 (or g+2) runs while g is promoted.
+  Tensor tSrT0 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+  Tensor tSrT1 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+  Tensor tScS = thr_rope.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNPerWG>>{}));
+  // O: this WG's two output groups (2 wg, 2 wg + 1) of 128 channels,
+  // (MMA, 1, 2); block j is group 2 wg + j.
+  constexpr int kPVBlocks = decode_cfg::kHeadDimVPerWG / Tr::kGroupChannels;  // 2
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
+  static_assert(size(tSrS) == kNPerWG / 2, "two rows x N/4 columns per thread");
+  static_assert(size(tSrT0) == size(tSrS), "QK accumulators share the m64n32 layout");
+  static_assert(decltype(size<2>(tOrO))::value == kPVBlocks, "one WGMMA block per output group");
+  const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
+  // Value v of an m64n32 fragment is column 8 (v / 4) + 2 (lane % 4) + v % 2
+  // of the WG's 32 tokens; these byte offsets (from this thread's first
+  // token) locate its 8 tokens' scale rows. (t >> 1) & 3 = lane % 4 for all
+  // of them, so the swizzle unit is fixed per thread.
+  const int tok_first = wg * kNPerWG + int(get<1>(tScS(0)));  // within the page
+  // The 8 tokens among them: value v is token j = 2 (v / 4) + v % 2 of the
+  // thread, at offset 8 (j / 2) + j % 2 from tok_first.
+  auto token_of = [](int v) { return 2 * (v / 4) + v % 2; };
+  auto token_offset = [](int j) { return 8 * (j / 2) + j % 2; };
+
+  auto k_nope = [&](int stage) {
+    Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
+    return thr_nope.partition_fragment_B(
+        local_tile(sK, Shape<Int<kNPerWG>, Int<Tr::kHeadDimNope>>{}, make_coord(wg, 0)));  // (MMA, 1, 16)
+  };
+  auto k_rope = [&](int stage) {
+    Rope* base = reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeSlab * Tr::kSlabBytes);
+    Tensor sKR = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutKRope{});
+    return thr_rope.partition_fragment_B(
+        local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
+  };
+
+  // begin_split_idx is re-read from global memory at the epilogue: held in a
+  // register for the whole CTA it was the last value ptxas spilled.
+  SchedMeta walk = meta;
+  walk.begin_split_idx = 0;
+  int it = 0;
+  for_each_chunk(p, walk, [&](const Chunk& c) {
+    load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
+
+    OnlineSoftmaxState softmax;
+    softmax.reset();
+    // O is written (not accumulated) at the chunk's first page.
+    // Running per-group normalizer N_g: the largest k_scale[., g] of the
+    // chunk's tokens so far. O_g holds (true O_g) * 256 / N_g.
+    float norm[kGroups] = {0.f, 0.f, 0.f, 0.f};
+
+    const int page_begin = c.first_page();
+    const int page_end = c.end_page();
+    for (int page = page_begin; page < page_end; ++page, ++it) {
+      const int stage = it % Tr::kNumStages;
+      const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
+      mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
+      const uint32_t slot = smem_addr(plan.k[stage]);
+      const uint32_t my_scales = ds_scale_addr(slot, tok_first);
+      // This thread's 8 tokens: value v of the fragment is token j = token_of(v),
+      // at offset token_offset(j) from tok_first. k_scale[t, g] of them, as
+      // stored (slots past the chunk may hold NaN: their scores are masked by
+      // selection after the promotion, and P reads its own zero-filled copy, c).
+      auto group_scales = [&](int g, float (&ks)[8]) {
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) {
+          asm volatile("ld.shared.f32 %0, [%1];\n"
+                       : "=f"(ks[j])
+                       : "r"(my_scales + uint32_t(token_offset(j) * 64 + 4 * g))
+                       : "memory");
+        }
+      };
+
+      // Issue: RoPE into S and NoPE group 0 into T0 (one batch), group 1 into T1.
+      Tensor tSrKN = k_nope(stage);
+      Tensor tSrKR = k_rope(stage);
+      auto q_ops = q_operands();
+      auto& tSrQ = cute::get<0>(q_ops);
+      auto& tSrQR = cute::get<1>(q_ops);
+      constexpr int kGroupSteps = Tr::kGroupChannels / 32;
+      auto issue_group = [&](auto& T, int g) {
+        wgmma_batch<kGroupSteps>(mma_nope, tSrQ, tSrKN, T, false, g * kGroupSteps);
+      };
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrT0);
+      warpgroup_arrive();
+      wgmma_k_steps(mma_rope, tSrQR, tSrKR, tSrS, false);
+      wgmma_k_steps<kGroupSteps>(mma_nope, tSrQ, tSrKN, tSrT0, false);
+      warpgroup_commit_batch();
+      // The transpose while S, T0 and the last page's P V are in flight.
+      transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
+      // All retired here, the last P V included: a wait_group 1 over a batch
+      // carried around the page loop makes ptxas serialize every WGMMA (C7514).
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      issue_group(tSrT1, 1);
+
+      // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
+      // Every warp reduces all 64 tokens (two per lane) on its own, so all
+      // agree on the running N_g = max(N_g, n_g) and on how much O_g shrinks.
+      float n[kGroups];
+      {
+        float4 s0, s1;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(s0.x), "=f"(s0.y), "=f"(s0.z), "=f"(s0.w)
+                     : "r"(ds_scale_addr(slot, lane))
+                     : "memory");
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(s1.x), "=f"(s1.y), "=f"(s1.z), "=f"(s1.w)
+                     : "r"(ds_scale_addr(slot, lane + 32))
+                     : "memory");
+        const bool ok0 = lane < valid, ok1 = lane + 32 < valid;
+        n[0] = fmaxf(ok0 ? s0.x : 0.f, ok1 ? s1.x : 0.f);
+        n[1] = fmaxf(ok0 ? s0.y : 0.f, ok1 ? s1.y : 0.f);
+        n[2] = fmaxf(ok0 ? s0.z : 0.f, ok1 ? s1.z : 0.f);
+        n[3] = fmaxf(ok0 ? s0.w : 0.f, ok1 ? s1.w : 0.f);
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          CUTE_UNROLL
+          for (int off = 16; off > 0; off >>= 1) n[g] = fmaxf(n[g], __shfl_xor_sync(0xffffffffu, n[g], off));
+          n[g] = n[g] > 0.f ? n[g] : 1.f;  // scales are positive powers of two; guard anyway
+        }
+      }
+      float shrink[kGroups];  // N_g old / new: exact for power-of-two scales; unused at the first page
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const float grown = fmaxf(norm[g], n[g]);
+        shrink[g] = norm[g] / grown;
+        norm[g] = grown;
+      }
+
+      // S += (q_scale[r, g] * k_scale[t, g]) * T_g, in fp32. q_scale is read
+      // from shared memory each time (8 fewer live registers next to O).
+      auto promote = [&](auto& T, int g) {
+        warpgroup_fence_operand(T);
+        const float qs[2] = {plan.q_scale[rows[0]][g], plan.q_scale[rows[1]][g]};
+        float ks[8];
+        group_scales(g, ks);
+        CUTE_UNROLL
+        for (int v = 0; v < size(tSrS); ++v) {
+          tSrS(v) += (qs[fragment_row_half(v)] * ks[token_of(v)]) * T(v);
+        }
+      };
+      promote(tSrT0, 0);
+      issue_group(tSrT0, 2);
+      warpgroup_wait<1>();  // group 1
+      promote(tSrT1, 1);
+      issue_group(tSrT1, 3);
+      warpgroup_wait<1>();  // group 2
+      promote(tSrT0, 2);
+      warpgroup_wait<0>();  // group 3
+      promote(tSrT1, 3);
+      warpgroup_fence_operand(tSrS);
+
+      // Visible keys per row (as in consumer()), recomputed per page from an
+      // opaque copy of the length: kept across the page loop, these three
+      // registers made ptxas spill next to O.
+      int limit[2];
+      int seqlen = c.seqlen;
+      asm volatile("" : "+r"(seqlen));
+      const int min_limit = visible_limits(p, c, seqlen, m_block, rows, limit);
+      const int tok0 = page * kBlockN + wg * kNPerWG;
+      if (page * kBlockN + kBlockN > min_limit) mask_invisible(tSrS, tScS, tok0, limit);
+
+      float page_max[2];
+      page_row_max(plan, tSrS, it, wg, lane, rows, page_max);
+
+      float o_scale[2];
+      softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
+
+      // P_g = e4m3(p * k_scale[t, g] * 256 / N_g) for all four groups of this WG's 32 tokens.
+      // c[j][g] = k_scale[t_j, g] * 256 / N_g, from one 16-byte load per token;
+      // 0 past the chunk (p is 0 there, but 0 * NaN would be NaN).
+      float c[8][kGroups];
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        asm volatile(
+            "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
+            " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
+            : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
+            : "r"(tok_first + token_offset(j)), "r"(valid), "r"(my_scales + uint32_t(token_offset(j) * 64))
+            : "memory");
+        c[j][0] = x.x;
+        c[j][1] = x.y;
+        c[j][2] = x.z;
+        c[j][3] = x.w;
+      }
+      // The slot's last reads (S retired, V^T and the scales copied): the
+      // producer may refill it while this page's softmax and P V run.
+      release_slot(plan, stage, lane);
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const float f = __fdiv_rn(256.f, norm[g]);  // a power of two when N_g is
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) c[j][g] *= f;
+      }
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
+        store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, tSrS,
+                                   [&](int v) { return c[token_of(v)][g]; }, 2 * wg);
+      }
+      // Rescale O (no WGMMA reads it now: the last P V retired before this
+      // page's S did) by the row-max factor and, per group, N_g old / new;
+      // then O_g += P_g V_g for this WG's two groups, left in flight until
+      // the next page's S waits (or the chunk's end).
+      const bool first_page = page == page_begin;
+      CUTE_UNROLL
+      for (int j = 0; j < kPVBlocks; ++j) {
+        const float sh = wg == 0 ? shrink[j] : shrink[2 + j];  // group 2 wg + j, without dynamic indexing
+        if (!first_page && (o_scale[0] != 1.f || o_scale[1] != 1.f || sh != 1.f)) {
+          const float f[2] = {o_scale[0] * sh, o_scale[1] * sh};
+          Tensor tOrOj = tOrO(_, _, j);
+          CUTE_UNROLL
+          for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f[fragment_row_half(v)];
+        }
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int j = 0; j < kPVBlocks; ++j) {
+        Tensor sP = make_tensor(make_smem_ptr(plan.p[2 * wg + j]), typename Tr::SmemLayoutP{});
+        Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
+        Tensor tOrOj_mn = tOrO(_, _, j);  // (MMA, 1) -> (MMA, 1, 1), the rank gemm() expects of C
+        Tensor tOrOj = make_tensor(tOrOj_mn.data(), append<3>(tOrOj_mn.layout(), Layout<_1, _0>{}));
+        wgmma_k_steps(mma_pv, thr_pv.partition_fragment_A(sP),
+                      thr_pv.partition_fragment_B(local_tile(
+                          sV, Shape<Int<Tr::kGroupChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0))),
+                      tOrOj, !first_page);
+      }
+      warpgroup_commit_batch();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    // O_g * N_g / 256: the true O_g (a chunk has at least one page here).
+    if (page_begin < page_end) {
+      CUTE_UNROLL
+      for (int j = 0; j < kPVBlocks; ++j) {
+        const float f = (wg == 0 ? norm[j] : norm[2 + j]) * (1.f / 256.f);
+        Tensor tOrOj = tOrO(_, _, j);
+        CUTE_UNROLL
+        for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f;
+      }
+    }
+    Chunk ce = c;
+    ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+    epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
+  });
+}
+
+}  // namespace jax_flash_mla::sm90

@@ -1,0 +1,362 @@
+// The bf16 / fp8_per_tensor consumer: page pairs split between the two consumer warpgroups.
+// Member definitions of SplitKvMlaKernel<kFormat> (splitkv_mla.cuh), which
+// includes this file after the class; not a standalone header.
+#pragma once
+
+namespace jax_flash_mla::sm90 {
+
+// bf16 and fp8_per_tensor. Pages go in pairs (A, B) (B absent at the odd
+// end of a chunk). WG0 computes S_A and the softmax of A, WG1 those of B;
+// each WG accumulates both pages into its half of O. The running row max
+// is chained through shared memory: m_A = max(m, rowmax S_A) by WG0,
+// m_B = max(m_A, rowmax S_B) by WG1, so both P tiles of a pair share one
+// reference m_B once each WG rescaled its O:
+//   WG0: O_L = (O_L e^(m-m_A) + P_A V_A,L) e^(m_A-m_B) + P_B V_B,L
+//   WG1: O_R = (O_R e^(m-m_A) + P_A V_A,R) e^(m_A-m_B) + P_B V_B,R
+// The WGs thus run half a step apart ("seesaw"): while one runs its
+// softmax, the tensor cores work on the other's WGMMAs. Per pair:
+//   WG0: S_A -> softmax A, publish P_A, m_A (kPageAReady) -> P_A V_A,L
+//        -> [kPageBReady] -> rescale -> P_B V_B,L
+//   WG1: S_B -> [kPageAReady] -> rescale -> P_A V_A,R, softmax B (a
+//        register copy of S_B, as an accumulator written by other
+//        instructions while a WGMMA is in flight makes ptxas serialize
+//        every WGMMA, C7515) -> retire -> publish P_B, m_B (kPageBReady)
+//        -> rescale -> P_B V_B,R
+// WG w hands back part w of both slots (the left part holds V_L, the
+// right one V_R and RoPE); the other WG's reads of that part (its S) have
+// retired before the pair's ready barrier it passed.
+template <config::KvFormat kFormat>
+__device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
+                                                   int head_k, int m_block, int wg, int tid) {
+  using namespace cute;
+  const DecodeParams& p = args.params;
+  typename Tr::TiledMmaQK mma_qk;
+  typename Tr::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  const int ctid = wg * 128 + tid;
+  const int lane = tid % 32;
+  // fp8_per_tensor: logits are softmax_scale * descale_q * descale_k * q.k
+  // and the output carries descale_k (V shares K's scale). Read once per
+  // CTA from device memory.
+  float descale_qk = 1.f, out_scale = 1.f;
+  if constexpr (Tr::kUsesDescale) {
+    out_scale = __ldg(p.descale_k);
+    descale_qk = __ldg(p.descale_q) * out_scale;
+  }
+  const float logit_scale = Tr::kUsesDescale ? p.softmax_scale * descale_qk : p.softmax_scale;
+  const float scale_log2 = Tr::kUsesDescale ? p.softmax_scale_log2 * descale_qk : p.softmax_scale_log2;
+
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // (MMA, 1, k-steps) descriptors
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
+  static_assert(size(tSrS) == kBlockN / 2, "two rows x N/4 columns per thread");
+  // The two rows this thread holds (fragment row halves 0 and 1).
+  const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
+  constexpr int kSteps = decltype(size<2>(tSrQ))::value;
+  constexpr int kLeftSteps = kSteps * decode_cfg::kLeftSlabs / decode_cfg::kSlabs;
+  static_assert(kLeftSteps * decode_cfg::kSlabs == kSteps * decode_cfg::kLeftSlabs, "k-steps per slab");
+
+  auto stage_of = [](int i) { return i % Tr::kNumStages; };
+  auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
+  auto release = [&](int i) {  // this WG's part of page i's slot
+    __syncwarp();
+    mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
+  };
+  auto p_tile = [&](int page_role) {  // 0: page A, 1: page B
+    return make_tensor(make_smem_ptr(plan.p[Tr::kNumPTiles == 1 ? 0 : page_role]), typename Tr::SmemLayoutP{});
+  };
+  // B operand of O_w += P V: this WG's 256 channels of V, from the K slot
+  // (bf16, MN-major) or from the page's V^T buffer (e4m3, K-major).
+  auto v_operand = [&](int i, int page_role) {
+    Element* v_base;
+    if constexpr (Tr::kVNeedsTranspose) {
+      v_base = plan.vt[page_role];
+    } else {
+      v_base = plan.k[stage_of(i)];
+    }
+    Tensor sV = make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{});
+    return thr_pv.partition_fragment_B(
+        local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
+  };
+
+  // S = Q K^T of page i over the 576 channels; the left part's k-steps
+  // are issued while the right part may still be landing.
+  // (always_inline: called from three places, it would otherwise become a
+  // call, with the accumulators passed through the stack.)
+  auto issue_s = [&](int i) __attribute__((always_inline)) {
+    Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);
+    warpgroup_fence_operand(tSrS);
+    mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
+    warpgroup_arrive();
+    wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
+    mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
+    warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
+    wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
+    warpgroup_commit_batch();
+  };
+  // O_w (+)= P V_w with P from shared memory ...
+  auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
+    wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), tOrO, accumulate);
+  };
+  // ... or with the WG's own P (fp32 probabilities in the S fragment)
+  // rounded to bf16 in registers.
+  auto issue_pv_regs = [&](const auto& tP, int i, int page_role, bool accumulate) __attribute__((always_inline)) {
+    if constexpr (Tr::kOwnPInRegisters) {
+      typename Tr::TiledMmaPVRegs mma_pv_regs;
+      auto thr_pv_regs = mma_pv_regs.get_thread_slice(tid);
+      Tensor tOrP = thr_pv_regs.partition_fragment_A(p_tile(page_role));  // registers, (MMA, 1, 4)
+      static_assert(decltype(size(tOrP))::value == decltype(size(tP))::value, "P fragment size");
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tP(v));
+      warpgroup_fence_operand(tOrP);
+      wgmma_batch(mma_pv_regs, tOrP, v_operand(i, page_role), tOrO, accumulate);
+      warpgroup_fence_operand(tOrP);
+    }
+  };
+  // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the
+  // page's shared tile, its columns in V^T's token order.
+  auto store_p = [&](const auto& tP, int page_role) {
+    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+      Tensor sP = p_tile(page_role);
+      CUTE_UNROLL
+      for (int v = 0; v < size(tP); v += 2) {
+        *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))))) =
+            __floats2bfloat162_rn(tP(v), tP(v + 1));
+      }
+    } else {
+      static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
+      store_p_e4m3<Tr, kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(page_role).data())), tid / 32, lane, tP,
+                                 [](int) { return 1.f; }, 0);
+    }
+  };
+  auto rescale_o = [&](const float (&factor)[2]) {
+    // Row maxima settle after a few pages: skip the 128 multiplies when
+    // neither of this thread's rows moved (no WGMMA is in flight here).
+    if (factor[0] != 1.f || factor[1] != 1.f) {
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= factor[fragment_row_half(v)];
+    }
+  };
+  // Adopts a new running max published by the other WG: returns the factor
+  // for O and the row sums (exp2(-inf) = 0 cannot occur: the max only grows,
+  // and a row that still has none keeps factor 1).
+  auto adopt_max = [&](OnlineSoftmaxState& softmax, const float* ref, float (&factor)[2]) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float m = ref[rows[h]];
+      factor[h] = m == -INFINITY ? 1.f : exp2f((softmax.max[h] - m) * scale_log2);
+      softmax.max[h] = m;
+      softmax.sum[h] *= factor[h];
+    }
+  };
+  auto publish_max = [&](const OnlineSoftmaxState& softmax, float* ref) {
+    if ((lane & 3) == 0) {
+      ref[rows[0]] = softmax.max[0];
+      ref[rows[1]] = softmax.max[1];
+    }
+  };
+  // bf16: slots past the chunk's end get P = 0, but 0 * NaN = NaN in P V:
+  // the page's owner zeroes their V rows (all 512 channels) after its S
+  // retired, before the ready barrier that lets the other WG read them.
+  // (fp8_per_tensor zeroes them in the V^T transpose instead.)
+  auto zero_stale_v = [&](int i, int page, const Chunk& c) {
+    if constexpr (!Tr::kVNeedsTranspose) {
+      const int first = c.end_token - page * kBlockN;
+      if (first >= kBlockN) return;
+      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
+      constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
+      for (int j = tid; j < (kBlockN - first) * kPiecesPerRow; j += 128) {
+        const int t = first + j / kPiecesPerRow;
+        *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, (j % kPiecesPerRow) * 8))) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
+  // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
+  // then rescales O by `factor` and queues the WG's own P V.
+  auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
+                          const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
+    zero_stale_v(i, page, c);
+    store_p(tP, page_role);
+    fence_proxy_async_smem();
+    // Both WGs pass the ready barrier, so it also orders this WG's own
+    // writes (P, zeroed V rows) before its WGMMA reads them.
+    named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
+    rescale_o(factor);
+    if constexpr (Tr::kOwnPInRegisters) {
+      issue_pv_regs(tP, i, page_role, accumulate);
+    } else {
+      issue_pv_smem(i, page_role, accumulate);
+    }
+  };
+  // Each WG queues its S of the next pair right behind its last P V of this
+  // pair when the ring holds three pages or more (fp8_per_tensor); with two
+  // (bf16), page B' reuses B's slot, which is free only once P_B V_B
+  // retired. Early S also relies on V^T: the K slot is released before the
+  // P V that follows it, so nothing is left to release after the S.
+  constexpr bool kEarlyS = Tr::kNumStages >= 3;
+  static_assert(!kEarlyS || Tr::kVNeedsTranspose, "early S releases K slots before their P V");
+
+  int it = 0;  // pages consumed by this CTA, across chunks (ring position)
+  // The pair at `page` of a chunk ending at page_end: whether it has a page
+  // B, whether another pair follows and has a B; the ring positions of A
+  // and B. Advances the ring past the pair.
+  struct PagePair {
+    bool has_b, has_next, next_has_b;
+    int ia, ib;
+  };
+  auto take_pair = [&](int page, int page_end) {
+    const PagePair pair{page + 1 < page_end, page + 2 < page_end, page + 3 < page_end, it, it + 1};
+    it += pair.has_b ? 2 : 1;
+    return pair;
+  };
+  // A plain loop rather than for_each_chunk: a lambda this large is not
+  // inlined, and O would then live in local memory.
+  for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
+    const Chunk c = make_chunk(p, meta, b);
+    load_q(p, plan, c.batch, head_k, m_block, ctid);
+
+    int limit[2];
+    const int min_limit = visible_limits(p, c, c.seqlen, m_block, rows, limit);
+    auto mask = [&](auto& tS, int page) {
+      if (page * kBlockN + kBlockN > min_limit) mask_invisible(tS, tScS, page * kBlockN, limit);
+    };
+
+    OnlineSoftmaxState softmax;
+    softmax.reset();
+    // O needs no clear: the chunk's first P V WGMMA runs with scale-d = 0
+    // (D = P V; the old accumulator is not read), and the epilogue selects
+    // zeros for rows without keys, so a chunk with no page never exposes it.
+    bool accumulate = false;
+
+    // With early S, the first pair's S are issued here.
+    const int page_begin = c.first_page(), page_end = c.end_page();
+    if (page_begin < page_end) {
+      if (wg == 0 && kEarlyS) issue_s(it);
+      if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1);
+    }
+
+    // One pair loop per warpgroup (the branch outside the loops), so that
+    // no control-flow path joins one WG's in-flight WGMMAs with the other's
+    // code: ptxas would serialize every WGMMA (C7514).
+    if (wg == 0) {
+      for (int page = page_begin; page < page_end; page += 2) {
+        const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
+        float factor[2];
+        // ---------------------------------------------------- WG0: page A
+        if (!kEarlyS) issue_s(ia);
+        if constexpr (Tr::kVNeedsTranspose) {
+          transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
+        }
+        // S_A, and (early S) the last pair's P_B V_B,L queued before it.
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
+        mask(tSrS, page);
+        float page_max[2];
+        row_max(tSrS, page_max);
+        softmax.template update</*kLazy=*/true>(tSrS, page_max, scale_log2, factor);
+        publish_max(softmax, plan.ref_max[0]);
+        publish_page(tSrS, ia, page, 0, c, factor, accumulate);
+        accumulate = true;
+        if (has_b) {
+          // ------------------------------------------ WG0: page B's left half
+          if constexpr (Tr::kVNeedsTranspose) {
+            // V^T_B's last reader (the last pair's P_B V_B,L) retired
+            // before this pair's S_A did.
+            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
+            fence_proxy_async_smem();
+          }
+          named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
+          adopt_max(softmax, plan.ref_max[1], factor);
+          rescale_o(factor);
+          issue_pv_smem(ib, 1, true);
+          if (kEarlyS && has_next) {
+            issue_s(ib + 1);
+          } else {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
+          }
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          if constexpr (!Tr::kVNeedsTranspose) release(ia);
+        }
+      }
+    } else {
+      for (int page = page_begin; page < page_end; page += 2) {
+        const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
+        float factor[2];
+        // ---------------------------------------------------- WG1: page B
+        if (!kEarlyS && has_b) issue_s(ib);
+        if constexpr (Tr::kVNeedsTranspose) {
+          // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
+          // V^T_B,R by its P_B V_B,R, queued before S_B.
+          mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
+          transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
+          if (has_b) {
+            warpgroup_wait<1>();
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
+          }
+          fence_proxy_async_smem();
+        }
+        Tensor tSrSb = make_fragment_like(tSrS);  // the softmax copy (see above)
+        float page_max[2];
+        if (has_b) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrS);
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
+          CUTE_UNROLL
+          for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
+          mask(tSrSb, page + 1);
+          row_max(tSrSb, page_max);
+        } else {
+          warpgroup_wait<0>();  // the last pair's P_B V_B,R
+        }
+        named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
+        if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
+        adopt_max(softmax, plan.ref_max[0], factor);
+        rescale_o(factor);
+        issue_pv_smem(ia, 0, accumulate);
+        accumulate = true;
+        if (has_b) {
+          softmax.template update</*kLazy=*/true>(tSrSb, page_max, scale_log2, factor);
+          publish_max(softmax, plan.ref_max[1]);
+        }
+        // P_A V_A,R retires before P_B may overwrite P_A's tile (bf16) and
+        // before O is rescaled.
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        if constexpr (!Tr::kVNeedsTranspose) release(ia);
+        if (has_b) {
+          publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+          if (kEarlyS && next_has_b) {
+            issue_s(ib + 2);
+          } else {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);
+          }
+        }
+      }
+    }
+    // Nothing is in flight here; ptxas cannot tell (it would serialize every
+    // WGMMA, C7514), so say it.
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
+  }
+}
+
+}  // namespace jax_flash_mla::sm90
