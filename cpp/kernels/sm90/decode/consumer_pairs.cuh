@@ -104,30 +104,15 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Pla
     wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), tOrO, accumulate);
   };
   // ... or with the WG's own P (fp32 probabilities in the S fragment)
-  // rounded in registers: bf16 element by element (same layout); e4m3 as
-  // the words of store_p_e4m3, which in p_column order are the k = 32 A
-  // fragment: register i of k-step s holds row half i % 2 of token group
-  // 2s + i / 2 (CuTe's ALayout of the RS atom, checked on the host).
+  // rounded to bf16 in registers.
   auto issue_pv_regs = [&](const auto& tP, int i, int page_role, bool accumulate) __attribute__((always_inline)) {
     if constexpr (Tr::kOwnPInRegisters) {
       typename Tr::TiledMmaPVRegs mma_pv_regs;
       auto thr_pv_regs = mma_pv_regs.get_thread_slice(tid);
-      Tensor tOrP = thr_pv_regs.partition_fragment_A(p_tile(page_role));  // registers, (MMA, 1, k-steps)
+      Tensor tOrP = thr_pv_regs.partition_fragment_A(p_tile(page_role));  // registers, (MMA, 1, 4)
       static_assert(decltype(size(tOrP))::value == decltype(size(tP))::value, "P fragment size");
-      if constexpr (sizeof(Element) == 1) {
-        Tensor words = recast<uint32_t>(tOrP);  // (4 registers, 1, 2 k-steps)
-        CUTE_UNROLL
-        for (int ks = 0; ks < decltype(size<2>(words))::value; ++ks) {
-          CUTE_UNROLL
-          for (int r = 0; r < 4; ++r) {
-            const int v = 8 * (2 * ks + r / 2) + 2 * (r % 2);
-            words(r, 0, ks) = pack_e4m3x4(tP(v), tP(v + 1), tP(v + 4), tP(v + 5));
-          }
-        }
-      } else {
-        CUTE_UNROLL
-        for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tP(v));
-      }
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tP(v));
       warpgroup_fence_operand(tOrP);
       wgmma_batch(mma_pv_regs, tOrP, v_operand(i, page_role), tOrO, accumulate);
       warpgroup_fence_operand(tOrP);
@@ -196,23 +181,6 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Pla
   // then rescales O by `factor` and queues the WG's own P V.
   auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
                           const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
-    if constexpr (Tr::kVNeedsTranspose && Tr::kOwnPInRegisters) {
-      // FP8: the WG's own P V goes first, from registers, so the tensor cores
-      // have it while this WG stores P for the other one and waits at the
-      // hand-off. Its V^T was written by all four warps of this WG: WG0's
-      // (page A) at the top of the pair, with no barrier since, so WG0 syncs
-      // its own warps here; WG1's (page B) were ordered by kPageAReady.
-      if (page_role == 0) {
-        fence_proxy_async_smem();
-        named_barrier_sync(NamedBarriers::kWg0Local, 128);
-      }
-      rescale_o(factor);
-      issue_pv_regs(tP, i, page_role, accumulate);
-      store_p(tP, page_role);
-      fence_proxy_async_smem();
-      named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
-      return;
-    }
     zero_stale_v(i, page, c);
     store_p(tP, page_role);
     fence_proxy_async_smem();

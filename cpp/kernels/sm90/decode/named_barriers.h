@@ -20,7 +20,6 @@ enum class NamedBarriers : int {
   // reported the P and row-max hand-offs as hazards with a bar.arrive on the publishing side).
   kPageAReady = 5,  // WG0 published page A's P and running row max (stale V rows of A zeroed)
   kPageBReady = 6,  // WG1 published page B's P and running row max (stale V rows of B zeroed)
-  kWg0Local = 7,    // fp8_per_tensor: WG0's V^T of page A complete before its own P V (ahead of the hand-off)
   // Both WGs take part in every page hand-off, so these also order each WG's
   // own writes (P, V^T, zeroed rows) before its WGMMAs read them.
 };

@@ -206,11 +206,9 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 
   using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
-  // Each WG multiplies its own P from registers: in V^T's token order the
-  // S accumulator fragment, packed 4 e4m3 per register, is the k = 32 A
-  // fragment; the other WG's P comes from shared memory (one tile per page).
-  using TiledMmaPVRegs = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_RS_TN<>{}));
-  static constexpr bool kOwnPInRegisters = true;
+  // The k = 32 A fragment of FP8 WGMMA does not match the S accumulator
+  // fragment, so both WGs read P from shared memory (one tile per page).
+  static constexpr bool kOwnPInRegisters = false;
   static constexpr int kNumPTiles = 2;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
