@@ -178,8 +178,8 @@ struct Traits<config::KvFormat::kBf16> {
 // channels, each landing as one contiguous 4 KB slab.
 //
 // Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 2 x 4096
-// + row statistics 768 + barriers 96, plus 1 KB of alignment slack (about
-// 219 KB of the 227 KB opt-in limit). V^T and P have one buffer per page of
+// + a 16-byte zero row + row statistics 768 + barriers 96, plus 1 KB of
+// alignment slack: kSmemBytes = 224256 (219 KB of the 227 KB opt-in limit). V^T and P have one buffer per page of
 // the pair (A, B); each WG writes and reads only its own 256 channels of V^T,
 // so its transposes need no cross-WG ordering, only its own WGMMA waits.
 template <>
@@ -258,8 +258,9 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 // two such slabs, so the RoPE WGMMA reads slabs 9-10 directly.
 //
 // Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192
-// + K 2 x 45056 + V^T 2 x 32768 + P 4 x 4096 + q scales 1024 + row statistics
-// 1536 + barriers 32 (216064 with padding), plus 1 KB of alignment slack:
+// + K 2 x 45056 + V^T 2 x 32768 + P 4 x 4096 + a 16-byte zero row + q scales
+// 1024 + row statistics 1536 + barriers 32 (216064 with padding), plus 1 KB of
+// alignment slack:
 // kSmemBytes = 217088 (212 KB of the 227 KB opt-in limit). A third stage
 // would add 44 KB (256 KB), so kNumStages = 2.
 template <>
