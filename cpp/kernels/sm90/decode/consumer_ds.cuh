@@ -329,7 +329,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       for (int g = 0; g < kGroups; ++g) {
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
         store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, tSrS,
-                                   [&](int v) { return c[token_of(v)][g]; }, 2 * wg);
+                                       [&](int v) { return c[token_of(v)][g]; }, 2 * wg);
       }
       // Rescale O (no WGMMA reads it now: the last P V retired before this
       // page's S did) by the row-max factor and, per group, N_g old / new;
@@ -365,7 +365,8 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    // O_g * N_g / 256: the true O_g (a chunk has at least one page here).
+    // O_g * N_g / 256: the true O_g (a chunk without pages leaves O unread:
+    // the epilogue writes zeros for rows without keys).
     if (page_begin < page_end) {
       CUTE_UNROLL
       for (int j = 0; j < kPVBlocks; ++j) {

@@ -131,7 +131,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Pla
     } else {
       static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
       store_p_e4m3<Tr, kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(page_role).data())), tid / 32, lane, tP,
-                                 [](int) { return 1.f; }, 0);
+                                     [](int) { return 1.f; }, 0);
     }
   };
   auto rescale_o = [&](const float (&factor)[2]) {
