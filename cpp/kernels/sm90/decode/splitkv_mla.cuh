@@ -260,7 +260,9 @@ struct SplitKvMlaKernel {
     }
     if constexpr (Tr::kVNeedsTranspose) {
       // The row transpose_v reads for tokens past the chunk.
-      if (threadIdx.x < sizeof(plan.zeros) / sizeof(uint32_t)) reinterpret_cast<uint32_t*>(plan.zeros)[threadIdx.x] = 0u;
+      if (threadIdx.x < sizeof(plan.zeros) / sizeof(uint32_t)) {
+        reinterpret_cast<uint32_t*>(plan.zeros)[threadIdx.x] = 0u;
+      }
     }
     if (threadIdx.x == kConsumers && p.num_blocks > 0) tma_prefetch_descriptor(&args.k_map);
     __syncthreads();
