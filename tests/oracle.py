@@ -133,7 +133,7 @@ class DecodeInputs:
 
 
 def make_decode_inputs(
-    rng, *, b, s_q, h_q, h_kv, seqlens, kv_format, num_blocks=None, dist="gaussian", descale_shape=()
+    rng, *, b, s_q, h_q, h_kv, seqlens, kv_format, num_blocks=None, dist="gaussian", descale_shape=(), page_gain=None
 ):
     """Random decode inputs; the cache is quantized with the package's quantizer, the float64 copies decoded by hand.
 
@@ -141,6 +141,8 @@ def make_decode_inputs(
     two spare ones), and block_table always has at least one GARBAGE_BLOCK column. ``dist`` (README §4):
     ``gaussian``; ``rope_outliers`` (8 RoPE channels ×20 in K, ×5 in q); ``small_latent`` (NoPE ×0.05, RoPE ~1).
     fp8_per_tensor descales (shape ``descale_shape``, ``()`` or ``(1,)``) map the largest |value| to e4m3's 448.
+    ``page_gain(j, n)``, if given, multiplies the latent of page j of an n-page sequence before quantization (a
+    magnitude ramp along the sequence: per-token scales that grow or shrink from page to page).
     """
     seqlens = np.asarray(seqlens, np.int32)
     assert seqlens.shape == (b,) and dist in DISTS
@@ -163,6 +165,8 @@ def make_decode_inputs(
         for j in range(n_pages[i]):
             block_table[i, j] = page = next(pool)
             unused[page, : min(PAGE, length - j * PAGE)] = False
+            if page_gain is not None:
+                latent[page] *= page_gain(j, n_pages[i])
 
     descale_q = descale_k = None
     if kv_format == "fp8_per_tensor":

@@ -331,6 +331,33 @@ def test_fp8_ds_mla_error_vs_unquantized_oracle(dist):
     assert rel_ref <= TOLS["fp8_ds_mla"]["rel_l2"]
 
 
+@pytest.mark.parametrize("direction", ["up", "down"])
+@pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
+def test_fp8_ds_mla_scale_ramp_in_one_chunk(direction):
+    """Token magnitudes ramp by 2^6 along each 4096-token sequence, processed as one chunk: the running per-group
+    normalizer N_g grows at every page ("up": O shrinks by N_old / N_new each time) or stays at the first page's
+    ("down": later tokens' P_g are scaled down by up to 2^6). The ramp ends at the gaussian set's magnitude, so
+    the largest logits are the usual ones (a ramp up to 8x the gaussian logits costs design A 7e-2 through q's
+    e4m3 rounding alone, emulated). scripts/emulate_ds_mla_numerics.py's A-PV-noprom (this kernel's arithmetic)
+    on such data: rel-L2 3.0e-2 (up) / 3.2e-2 (down) against the format's float64 attention. Same tolerances as
+    every other case."""
+    rng = np.random.default_rng(11)
+    b, h_q, seqlen = 2, 64, 4096
+
+    def gain(j, n):
+        t = j / max(n - 1, 1)
+        return 2.0 ** (6 * (t if direction == "up" else 1 - t) - 6)
+
+    inp = make_decode_inputs(rng, b=b, s_q=1, h_q=h_q, h_kv=1, seqlens=np.full(b, seqlen, np.int32),
+                             kv_format="fp8_ds_mla", page_gain=gain)
+    args, kwargs = inp.kernel_args()
+    meta = fm.get_mla_metadata(args[3], h_q, 1, num_sms=b)  # one partition per sequence: one chunk each
+    out, lse = jax.block_until_ready(fm.flash_mla_with_kvcache(
+        *args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=False, implementation="kernel", **kwargs))
+    ref_out, ref_lse = _references(inp, False)
+    _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
+
+
 @pytest.mark.parametrize("dist", ["gaussian", "small_latent"])
 @pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
 def test_fp8_ds_mla_long_chunk_pv_accumulation(dist):

@@ -138,3 +138,15 @@ def test_jit_matches_eager(kv_format):
     jitted = run_and_check(inputs, causal=True)
     for got, want in zip(jitted, eager):
         np.testing.assert_array_equal(got, want)
+
+
+def test_page_gain_scales_each_page_of_the_sequence():
+    """The oracle's magnitude ramp (page_gain) scales page j of each sequence by the gain, before quantization."""
+    kw = dict(b=2, s_q=1, h_q=4, h_kv=1, seqlens=np.array([200, 64], np.int32), kv_format="bf16")
+    plain = make_decode_inputs(np.random.default_rng(3), **kw)
+    ramp = make_decode_inputs(np.random.default_rng(3), page_gain=lambda j, n: 2.0 ** (j - n), **kw)
+    np.testing.assert_array_equal(plain.block_table, ramp.block_table)
+    for i, n in enumerate((4, 1)):
+        for j in range(n):
+            page = plain.block_table[i, j]
+            np.testing.assert_array_equal(ramp.kv64[page], plain.kv64[page] * 2.0 ** (j - n))  # powers of two: exact
