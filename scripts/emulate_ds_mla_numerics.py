@@ -284,17 +284,22 @@ def evaluate(batch, seqlen, heads, seed):
 
 
 def main(argv=None):
+    global P_NORM
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--p-norm", type=float, default=P_NORM,
+                    help="largest P_g after the per-group normalizer (default 256; smaller values leave headroom "
+                         "for a lazy rescale that lets p exceed 1 by 256 / P_NORM)")
     args = ap.parse_args(argv)
     assert args.seqlen % PAGE == 0
+    P_NORM = args.p_norm
     t0 = time.time()
     rows = evaluate(args.batch, args.seqlen, args.heads, args.seed)
     print(f"fp8_ds_mla decode numerics, emulated: batch {args.batch}, {args.seqlen} tokens, {args.heads} heads, "
-          f"h_kv 1, s_q 1, seed {args.seed}; truth = float64 attention on the bf16 latent")
+          f"h_kv 1, s_q 1, seed {args.seed}, P_NORM {P_NORM:g}; truth = float64 attention on the bf16 latent")
     print("x floor: rel-L2 / rel-L2 of the floor of the precision the variant computes in; vs A-exact: "
           "|out - out(A-exact-acc)| / |truth| (the accumulator model's own share); * = hypothetical")
     print(f"{'data':<14}{'variant':<14}{'rel-L2':>9}{'max|dlse|':>11}{'x F0':>7}{'floor':>7}{'x floor':>9}"
