@@ -23,7 +23,7 @@
 // Other formats specialize Traits<> with their own element types / layouts.
 // FP8 WGMMA reads B only K-major, so fp8_per_tensor (kVNeedsTranspose) adds
 // V^T buffers to its plan that the consumers fill from the K slot.
-// fp8_ds_mla (kScaleGroups) has its own consumer in the skeleton; see its
+// fp8_ds_mla (kScaleGroups) has its own consumer (consumer_ds.cuh); see its
 // specialization at the end of this file.
 #pragma once
 
@@ -172,16 +172,16 @@ struct Traits<config::KvFormat::kBf16> {
 //               K-major; V must be token-contiguous per channel, so each
 //               consumer WG transposes its 256 channels of the page into a
 //               V^T buffer (ldmatrix.trans + byte permutes + stmatrix,
-//               see transpose_v in the skeleton).
+//               transpose_v in fp8_smem.h).
 // A row of one 64-channel box is 64 bytes, so every tile uses the 64-byte
 // swizzle (8 rows x 64 bytes atoms); nine boxes still cover the 576
 // channels, each landing as one contiguous 4 KB slab.
 //
 // Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 2 x 4096
 // + a 16-byte zero row + row statistics 768 + barriers 96, plus 1 KB of
-// alignment slack: kSmemBytes = 224256 (219 KB of the 227 KB opt-in limit). V^T and P have one buffer per page of
-// the pair (A, B); each WG writes and reads only its own 256 channels of V^T,
-// so its transposes need no cross-WG ordering, only its own WGMMA waits.
+// alignment slack: kSmemBytes = 224256 (219 KB of the 227 KB opt-in limit).
+// V^T and P have one buffer per page of the pair (A, B); each WG writes and
+// reads only its own 256 channels of V^T.
 template <>
 struct Traits<config::KvFormat::kFp8PerTensor> {
   using Element = cutlass::float_e4m3_t;  // q, k_cache, P
@@ -206,8 +206,9 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 
   using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
-  // The k = 32 A fragment of FP8 WGMMA does not match the S accumulator
-  // fragment, so both WGs read P from shared memory (one tile per page).
+  // Both WGs read P from shared memory (one tile per page). (In p_column
+  // order the packed e4m3 words are also the k = 32 register A fragment, so
+  // a WG could multiply its own P from registers: DESIGN.md, not used yet.)
   static constexpr bool kOwnPInRegisters = false;
   static constexpr int kNumPTiles = 2;
 
