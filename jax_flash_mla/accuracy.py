@@ -45,8 +45,8 @@ README_KERNEL = {
 # A rel-L2 more than this many times the largest README figure of its (format, data set) is flagged.
 REGRESSION_FACTOR = 1.5
 
-CSV_COLUMNS = ("dataset", "format", "path", "batch", "seqlen", "heads_q", "rel_l2", "max_abs_dlse", "floor_rel_l2",
-               "floor_max_abs_dlse", "readme_emulation", "readme_emulation_fp8_q_p", "readme_kernel",
+CSV_COLUMNS = ("dataset", "format", "path", "batch", "seqlen", "heads_q", "num_sms", "rel_l2", "max_abs_dlse",
+               "floor_rel_l2", "floor_max_abs_dlse", "readme_emulation", "readme_emulation_fp8_q_p", "readme_kernel",
                "ratio_to_readme")
 
 
@@ -132,6 +132,7 @@ def evaluate(datasets, kv_formats, *, batch, seqlen, heads, seed, num_sms=None):
                 error = rel_l2(out[:, 0], true_out)
                 rows.append(dict(
                     dataset=dataset, format=kv_format, path=path, batch=batch, seqlen=seqlen, heads_q=heads,
+                    num_sms="device" if num_sms is None else num_sms,
                     rel_l2=error, max_abs_dlse=max_abs_diff(lse[:, :, 0], true_lse),
                     floor_rel_l2=rel_l2(floor_out, true_out), floor_max_abs_dlse=max_abs_diff(floor_lse, true_lse),
                     readme_emulation=emulation, readme_emulation_fp8_q_p=emulation_q_p, readme_kernel=kernel,

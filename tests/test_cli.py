@@ -108,6 +108,7 @@ def test_accuracy_num_sms(tmp_path, capsys):
                    "--datasets", "gaussian", "--num-sms", "1", "--csv", str(tmp_path / "a.csv"),
                    "--png", str(tmp_path / "a.png")])
     assert ", 1 scheduler SMs" in capsys.readouterr().out
+    assert {r["num_sms"] for r in read_csv(tmp_path / "a.csv")[1]} == {"1"}
     with pytest.raises(SystemExit):
         accuracy.main(["--quick", "--num-sms", "0"])
     assert "--num-sms must be >= 1" in capsys.readouterr().err
