@@ -164,6 +164,25 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
         local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
   };
 
+  // The head of page i's S: RoPE into S and NoPE group 0 into T0, one batch.
+  // Issued for the next page right after this page's S is complete, so these
+  // WGMMAs run under this page's softmax and P stores. (Group 1 into T1 as
+  // well made ptxas spill 84 B: T1 and the P scales would be live together.)
+  constexpr int kGroupSteps = Tr::kGroupChannels / 32;
+  auto issue_s_head = [&](int i) __attribute__((always_inline)) {
+    const int st = i % Tr::kNumStages;
+    mbarrier_wait(&plan.k_full[st], (i / Tr::kNumStages) & 1);
+    Tensor tSrKN = k_nope(st);
+    Tensor tSrKR = k_rope(st);
+    auto q_ops = q_operands();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrT0);
+    warpgroup_arrive();
+    wgmma_k_steps(mma_rope, cute::get<1>(q_ops), tSrKR, tSrS, false);
+    wgmma_k_steps<kGroupSteps>(mma_nope, cute::get<0>(q_ops), tSrKN, tSrT0, false);
+    warpgroup_commit_batch();
+  };
+
   // begin_split_idx is re-read from global memory at the epilogue: held in a
   // register for the whole CTA it was the last value ptxas spilled.
   SchedMeta walk = meta;
@@ -171,6 +190,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
   int it = 0;
   for_each_chunk(p, walk, [&](const Chunk& c) {
     load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
+    if (c.first_page() < c.end_page()) issue_s_head(it);
 
     OnlineSoftmaxState softmax;
     softmax.reset();
@@ -184,7 +204,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
     for (int page = page_begin; page < page_end; ++page, ++it) {
       const int stage = it % Tr::kNumStages;
       const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
-      mbarrier_wait(&plan.k_full[stage], (it / Tr::kNumStages) & 1);
+      // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
       const uint32_t my_scales = ds_scale_addr(slot, tok_first);
       // This thread's 8 tokens: value v of the fragment is token j = token_of(v),
@@ -201,29 +221,19 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
         }
       };
 
-      // Issue: RoPE into S and NoPE group 0 into T0 (one batch), group 1 into T1.
-      Tensor tSrKN = k_nope(stage);
-      Tensor tSrKR = k_rope(stage);
-      auto q_ops = q_operands();
-      auto& tSrQ = cute::get<0>(q_ops);
-      auto& tSrQR = cute::get<1>(q_ops);
-      constexpr int kGroupSteps = Tr::kGroupChannels / 32;
-      auto issue_group = [&](auto& T, int g) {
-        wgmma_batch<kGroupSteps>(mma_nope, tSrQ, tSrKN, T, false, g * kGroupSteps);
-      };
-      warpgroup_fence_operand(tSrS);
-      warpgroup_fence_operand(tSrT0);
-      warpgroup_arrive();
-      wgmma_k_steps(mma_rope, tSrQR, tSrKR, tSrS, false);
-      wgmma_k_steps<kGroupSteps>(mma_nope, tSrQ, tSrKN, tSrT0, false);
-      warpgroup_commit_batch();
-      // The transpose while S, T0 and the last page's P V are in flight.
+      // The transpose while this page's S head (RoPE, group 0) and the last
+      // page's P V are in flight.
       transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
-      // All retired here, the last P V included: a wait_group 1 over a batch
-      // carried around the page loop makes ptxas serialize every WGMMA (C7514).
+      // All retired here: a wait_group 1 over batches carried around the page
+      // loop makes ptxas serialize every WGMMA (C7514).
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      issue_group(tSrT1, 1);
+      warpgroup_fence_operand(tSrT0);
+      warpgroup_fence_operand(tSrT1);
+      Tensor tSrKN = k_nope(stage);
+      auto issue_group = [&](auto& T, int g) {
+        wgmma_batch<kGroupSteps>(mma_nope, cute::get<0>(q_operands()), tSrKN, T, false, g * kGroupSteps);
+      };
 
       // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
       // Every warp reduces all 64 tokens (two per lane) on its own, so all
@@ -271,6 +281,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
           tSrS(v) += (qs[fragment_row_half(v)] * ks[token_of(v)]) * T(v);
         }
       };
+      issue_group(tSrT1, 1);
       promote(tSrT0, 0);
       issue_group(tSrT0, 2);
       warpgroup_wait<1>();  // group 1
@@ -281,6 +292,14 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       warpgroup_wait<0>();  // group 3
       promote(tSrT1, 3);
       warpgroup_fence_operand(tSrS);
+      // This page's scores leave the accumulator (the softmax writes them
+      // while the next page's S head is in flight: modifying registers of an
+      // in-flight batch's kind makes ptxas serialize, C7515), and the head of
+      // the next page's S goes out.
+      Tensor sc = make_fragment_like(tSrS);
+      CUTE_UNROLL
+      for (int v = 0; v < size(tSrS); ++v) sc(v) = tSrS(v);
+      if (page + 1 < page_end) issue_s_head(it + 1);
 
       // Visible keys per row (as in consumer()), recomputed per page from an
       // opaque copy of the length: kept across the page loop, these three
@@ -290,13 +309,13 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       asm volatile("" : "+r"(seqlen));
       const int min_limit = visible_limits(p, c, seqlen, m_block, rows, limit);
       const int tok0 = page * kBlockN + wg * kNPerWG;
-      if (page * kBlockN + kBlockN > min_limit) mask_invisible(tSrS, tScS, tok0, limit);
+      if (page * kBlockN + kBlockN > min_limit) mask_invisible(sc, tScS, tok0, limit);
 
       float page_max[2];
-      page_row_max(plan, tSrS, it, wg, lane, rows, page_max);
+      page_row_max(plan, sc, it, wg, lane, rows, page_max);
 
       float o_scale[2];
-      softmax.update(tSrS, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
+      softmax.update(sc, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
 
       // P_g = e4m3(p * k_scale[t, g] * 256 / N_g) for all four groups of this WG's 32 tokens.
       // c[j][g] = k_scale[t_j, g] * 256 / N_g, from one 16-byte load per token;
@@ -321,14 +340,14 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       release_slot(plan, stage, lane);
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        const float f = __fdiv_rn(256.f, norm[g]);  // a power of two when N_g is
+        const float f = __fdividef(256.f, norm[g]);  // MUFU.RCP: exact when N_g is a power of two
         CUTE_UNROLL
         for (int j = 0; j < 8; ++j) c[j][g] *= f;
       }
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
-        store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, tSrS,
+        store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, sc,
                                        [&](int v) { return c[token_of(v)][g]; }, 2 * wg);
       }
       // Rescale O (no WGMMA reads it now: the last P V retired before this
