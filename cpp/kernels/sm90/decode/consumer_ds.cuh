@@ -196,7 +196,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
     softmax.reset();
     // O is written (not accumulated) at the chunk's first page.
     // Running per-group normalizer N_g: the largest k_scale[., g] of the
-    // chunk's tokens so far. O_g holds (true O_g) * 256 / N_g.
+    // chunk's tokens so far. O_g holds (true O_g) * kPNormalizer / N_g.
     float norm[kGroups] = {0.f, 0.f, 0.f, 0.f};
 
     const int page_begin = c.first_page();
@@ -315,10 +315,11 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       page_row_max(plan, sc, it, wg, lane, rows, page_max);
 
       float o_scale[2];
-      softmax.update(sc, page_max, p.softmax_scale_log2, o_scale);  // row sums of the unrounded p
+      // Lazy: p <= 16, and o_scale is 1 on most pages (no O rescale).
+      softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);  // sums of unrounded p
 
-      // P_g = e4m3(p * k_scale[t, g] * 256 / N_g) for all four groups of this WG's 32 tokens.
-      // c[j][g] = k_scale[t_j, g] * 256 / N_g, from one 16-byte load per token;
+      // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
+      // c[j][g] = k_scale[t_j, g] * kPNormalizer / N_g, from one 16-byte load per token;
       // 0 past the chunk (p is 0 there, but 0 * NaN would be NaN).
       float c[8][kGroups];
       CUTE_UNROLL
@@ -340,7 +341,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       release_slot(plan, stage, lane);
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        const float f = __fdividef(256.f, norm[g]);  // MUFU.RCP: exact when N_g is a power of two
+        const float f = __fdividef(Tr::kPNormalizer, norm[g]);  // MUFU.RCP: exact when N_g is a power of two
         CUTE_UNROLL
         for (int j = 0; j < 8; ++j) c[j][g] *= f;
       }
@@ -384,12 +385,12 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    // O_g * N_g / 256: the true O_g (a chunk without pages leaves O unread:
+    // O_g * N_g / kPNormalizer: the true O_g (a chunk without pages leaves O unread:
     // the epilogue writes zeros for rows without keys).
     if (page_begin < page_end) {
       CUTE_UNROLL
       for (int j = 0; j < kPVBlocks; ++j) {
-        const float f = (wg == 0 ? norm[j] : norm[2 + j]) * (1.f / 256.f);
+        const float f = (wg == 0 ? norm[j] : norm[2 + j]) * (1.f / Tr::kPNormalizer);
         Tensor tOrOj = tOrO(_, _, j);
         CUTE_UNROLL
         for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f;

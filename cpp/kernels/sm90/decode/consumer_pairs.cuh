@@ -260,7 +260,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Pla
         mask(tSrS, page);
         float page_max[2];
         row_max(tSrS, page_max);
-        softmax.template update</*kLazy=*/true>(tSrS, page_max, scale_log2, factor);
+        softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
         publish_max(softmax, plan.ref_max[0]);
         publish_page(tSrS, ia, page, 0, c, factor, accumulate);
         accumulate = true;
@@ -331,7 +331,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Pla
         issue_pv_smem(ia, 0, accumulate);
         accumulate = true;
         if (has_b) {
-          softmax.template update</*kLazy=*/true>(tSrSb, page_max, scale_log2, factor);
+          softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
         }
         // P_A V_A,R retires before P_B may overwrite P_A's tile (bf16) and

@@ -59,13 +59,13 @@ struct OnlineSoftmaxState {
   // Folds in a page whose row maxima (over all its visible keys, both
   // warpgroups) are `page_max`. Turns `s` into probabilities in place and
   // returns the factor by which the existing output accumulator must shrink.
-  // kLazy: the reference max moves only when a row's maximum exceeds it by
-  // more than 2^kLazyRescaleLog2 in exp2 units, so P <= 256 (inside bf16 and
-  // e4m3) and the O / row-sum rescale, 128 multiplies per thread, becomes
-  // rare. lse and the output are exact either way: they use the same
-  // reference. (fp8_ds_mla scales P by up to 256 itself: not lazy.)
-  static constexpr float kLazyRescaleLog2 = 8.f;
-  template <bool kLazy = false, class Frag>
+  // kLazyRescaleLog2 > 0: the reference max moves only when a row's maximum
+  // exceeds it by more than 2^kLazyRescaleLog2 in exp2 units, so
+  // p <= 2^kLazyRescaleLog2 and the O / row-sum rescale, 128 multiplies per
+  // thread, becomes rare. lse and the output are exact either way: they use
+  // the same reference. Each format picks the headroom its P type has
+  // (Traits::kLazyRescaleLog2).
+  template <int kLazyRescaleLog2 = 0, class Frag>
   __device__ __forceinline__ void update(Frag& s, const float (&page_max)[2], float scale_log2,
                                          float (&o_scale)[2]) {
     float base[2];
@@ -73,7 +73,7 @@ struct OnlineSoftmaxState {
     for (int h = 0; h < 2; ++h) {
       float new_max = fmaxf(max[h], page_max[h]);
       // (From -inf the difference is +inf: the first key always sets it.)
-      if (kLazy && (new_max - max[h]) * scale_log2 <= kLazyRescaleLog2) new_max = max[h];
+      if (kLazyRescaleLog2 > 0 && (new_max - max[h]) * scale_log2 <= float(kLazyRescaleLog2)) new_max = max[h];
       // exp2(-inf) = 0 when the old max was -inf (the accumulator is still 0).
       o_scale[h] = new_max == -INFINITY ? 1.f : exp2f((max[h] - new_max) * scale_log2);
       base[h] = new_max == -INFINITY ? 0.f : new_max * scale_log2;

@@ -129,6 +129,8 @@ struct Traits<config::KvFormat::kBf16> {
   using TiledMmaPVRegs = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{}));
   static constexpr bool kOwnPInRegisters = true;
+  // Lazy rescale (softmax.h): p <= 2^8, far inside bf16.
+  static constexpr int kLazyRescaleLog2 = 8;
   // One P tile: WG0 writes P_A for WG1; WG1 overwrites it with P_B for WG0
   // once its read of P_A retired (each WG reads its own P from registers).
   static constexpr int kNumPTiles = 1;
@@ -207,9 +209,11 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
   // Both WGs read P from shared memory (one tile per page). (In p_column
-  // order the packed e4m3 words are also the k = 32 register A fragment, so
-  // a WG could multiply its own P from registers: DESIGN.md, not used yet.)
+  // order the packed e4m3 words are also the k = 32 register A fragment; a
+  // WG multiplying its own P from registers measured slower: DESIGN.md.)
   static constexpr bool kOwnPInRegisters = false;
+  // Lazy rescale (softmax.h): P = e4m3(p) unscaled, p <= 2^8 < 448.
+  static constexpr int kLazyRescaleLog2 = 8;
   static constexpr int kNumPTiles = 2;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
@@ -241,12 +245,13 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 //   - S = Q_rope K_rope^T (bf16 WGMMA, 4 k-steps) then per group g a fresh
 //     FP8 WGMMA T_g (4 k-steps of 32) promoted in fp32:
 //     S += (q_scale[r,g] * k_scale[t,g]) * T_g.
-//   - P per output group: P_g[t] = e4m3(p[t] * k_scale[t,g] * 256 / N_g),
+//   - P per output group: P_g[t] = e4m3(p[t] * k_scale[t,g] * 16 / N_g),
 //     N_g the largest k_scale[., g] of the chunk's tokens so far (a power of
 //     two, so the factor is exact); the row sum keeps the unrounded p.
 //   - O_g += P_g V_g (FP8 WGMMA, 2 k-steps) straight into O, which holds
-//     O_g * 256 / N_g: when N_g grows, O_g shrinks by N_old / N_new (with the
-//     row-max rescale), and the epilogue multiplies by N_g / 256. V^T is
+//     O_g * 16 / N_g: when N_g grows, O_g shrinks by N_old / N_new (with the
+//     row-max rescale), and the epilogue multiplies by N_g / 16. p <= 16 by
+//     the lazy rescale (kLazyRescaleLog2), so P_g <= 256. V^T is
 //     transposed from the slot as for fp8_per_tensor.
 //
 // TMA: one uint8 map over (656 bytes, head, token-in-page, block) with the
@@ -276,6 +281,12 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
   static constexpr int kNumGroups = 4;        // 128-channel scale groups of the NoPE part
   static constexpr int kGroupChannels = 128;
+  // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) with the lazy rescale's
+  // p <= 2^kLazyRescaleLog2: at most 16 * 16 = 256 < 448. (A normalizer of 16
+  // instead of 256 for p <= 1 emulates to the same error: docs/NUMERICS.md.)
+  static constexpr int kLazyRescaleLog2 = 4;
+  static constexpr float kPNormalizer = 16.f;
+  static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
   static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
@@ -311,7 +322,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   using TiledMmaQK = TiledMmaQKNope;
   // A WG owns output groups 2w and 2w+1 (256 channels): one 64x128 WGMMA
   // block per group, accumulating straight into O (O_g is kept in units of
-  // N_g / 256, so no per-page temporary is needed).
+  // N_g / kPNormalizer, so no per-page temporary is needed).
   using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>{}));
 
   static constexpr int kQElems = decode_cfg::kBlockM * kHeadDimNope;
