@@ -10,7 +10,7 @@
 # --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
 # out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
 # RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
-# default FORMATS).
+# default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -36,7 +36,7 @@ for i in "${!builds[@]}"; do
   echo "==== $name: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)"
   line="$name:"
   if ((i > 0)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
-    k=$(echo "$formats" | sed 's/ / or /g')
+    k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
     XLA_PYTHON_CLIENT_MEM_FRACTION=$("$PY" -c "print(round(0.9 / $workers, 3))") JAX_FLASH_MLA_REQUIRE_GPU=1 \
       timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" > "$logs/pytest_$name.log" 2>&1
     line+=" tests rc=$? ($(tail -1 "$logs/pytest_$name.log" | tr -d '=' | xargs));"
