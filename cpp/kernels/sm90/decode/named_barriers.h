@@ -89,23 +89,4 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// The same wait for a thread with nothing else to do (the producer lane,
-// which waits most of each page for a free slot): try_wait with a suspend
-// time hint parks it until the phase completes (or the hint runs out) instead
-// of re-polling every few tens of ns. Polling, it issued ~12 % of the CTA's
-// warp instructions (fp8_ds_mla, Nsight Compute, session 6), on a scheduler
-// shared with two consumer warps.
-__device__ __forceinline__ void mbarrier_wait_parked(uint64_t* bar, uint32_t parity) {
-  constexpr uint32_t kSuspendHintNs = 1000000;  // an upper bound: completion wakes the thread
-  asm volatile(
-      "{\n"
-      " .reg .pred done;\n"
-      "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-      " @!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity), "n"(kSuspendHintNs)
-      : "memory");
-}
-
 }  // namespace jax_flash_mla::sm90

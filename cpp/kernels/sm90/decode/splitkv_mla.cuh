@@ -130,12 +130,12 @@ struct SplitKvMlaKernel {
         const uint32_t phase = (it / Tr::kNumStages) & 1;
         const int block = table[page];
         if constexpr (Tr::kScaleGroups) {
-          mbarrier_wait_parked(&plan.k_empty[stage], phase ^ 1);
+          mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
           load_ds_page<Tr>(&args.k_map, &plan.k_full[stage], plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it.
           for (int part = 0; part < 2; ++part) {
-            mbarrier_wait_parked(&plan.k_empty[stage][part], phase ^ 1);
+            mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             load_kv_page_part<Tr>(&args.k_map, &plan.k_full[stage][part], plan.k[stage], head_k, block, part);
           }
         }
