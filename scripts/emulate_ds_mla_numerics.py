@@ -25,6 +25,8 @@ e4m3 x e4m3 or bf16 x bf16 products that occur here):
   running max of k_scale over the pages seen so far and O_g is rescaled (fp32) when it or the row max moves.
   "A-noP-norm": f = k_scale (no normalizer), to show why one is needed. "A-QK-noprom*" (hypothetical: the format's
   per-token, per-group scales rule it out) runs all 16 NoPE k-steps through one 14-bit accumulator.
+  "A-qrow": q quantized with one power-of-two scale per row (the largest of its four groups' amax / 448), so S
+  factors as q_scale[r] * (RoPE' + sum_g k_scale[t,g] * T_g) and the promotion needs no per-group q factor.
   "A-exact-acc" is A without any accumulator cut; the column "vs A-exact" is |out - out(A-exact-acc)| / |truth|.
 * B: QK as A; V = e4m3 * k_scale exactly representable in bf16; P = bf16(p); bf16 PV accumulated in float64.
 * C: q bf16, NoPE K dequantized to bf16 (exact); S rounded once to fp32; P bf16; bf16 PV (FlashMLA sparse-like).
@@ -116,6 +118,9 @@ def quantize_q(q_nope, mode):
     """q_nope [h, 512] -> (e4m3 values [h, 4, 128], scales [h, 4])."""
     g = q_nope.reshape(-1, NG, GROUP)
     amax = np.abs(g).max(axis=-1)
+    if mode == "row-pow2":  # one power-of-two scale per row, shared by its four groups
+        amax = np.repeat(amax.max(axis=-1, keepdims=True), NG, axis=-1)
+        mode = "pow2"
     if mode == "pow2":
         scale = pow2_ceil(np.maximum(amax / 448.0, 1e-4))
     else:
@@ -227,7 +232,8 @@ def variant(name, q, ke, ks, rope, kdeq):
     spec = {"A": ("pow2", "acc14", True, True, True), "A-f32-qscale": ("f32", "acc14", True, True, True),
             "A-exact-acc": ("pow2", "exact", True, True, True), "A-rn14": ("pow2", "rn14", True, True, True),
             "A-PV-noprom": ("pow2", "acc14", True, False, True), "A-QK-noprom*": ("pow2", "acc14", False, True, True),
-            "A-noP-norm": ("pow2", "acc14", True, True, False), "B": ("pow2", "acc14", True, None, None)}[name]
+            "A-noP-norm": ("pow2", "acc14", True, True, False), "A-qrow": ("row-pow2", "acc14", True, True, True),
+            "B": ("pow2", "acc14", True, None, None)}[name]
     q_mode, acc, qk_promote, promote, normalize = spec
     s = scores_fp8(q, ke, ks, rope, q_mode, acc, qk_promote)
     p, m_run = online_p(s)
@@ -239,11 +245,12 @@ def variant(name, q, ke, ks, rope, kdeq):
     return finish(o, l, m_run[:, -1])
 
 
-VARIANTS = ("A-exact-acc", "A", "A-rn14", "A-PV-noprom", "A-QK-noprom*", "A-f32-qscale", "A-noP-norm", "B", "C")
+VARIANTS = ("A-exact-acc", "A", "A-rn14", "A-PV-noprom", "A-QK-noprom*", "A-f32-qscale", "A-noP-norm", "A-qrow", "B",
+            "C")
 FLOORS = ("F0", "Fq", "F1")
 # The floor of the precision each variant computes in (the accuracy target's denominator).
 OWN_FLOOR = {"A": "F1", "A-f32-qscale": "F1", "A-exact-acc": "F1", "A-rn14": "F1", "A-PV-noprom": "F1",
-             "A-noP-norm": "F1", "A-QK-noprom*": "F1", "B": "Fq", "C": "F0", "F0": "F0", "Fq": "Fq", "F1": "F1"}
+             "A-noP-norm": "F1", "A-QK-noprom*": "F1", "A-qrow": "F1", "B": "Fq", "C": "F0", "F0": "F0", "Fq": "Fq", "F1": "F1"}
 
 
 def floor(name, q, kdeq):
