@@ -257,15 +257,15 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
                      : "r"(ds_scale_addr(slot, lane + 32))
                      : "memory");
         const bool ok0 = lane < valid, ok1 = lane + 32 < valid;
-        const float mine[kGroups][2] = {{s0.x, s1.x}, {s0.y, s1.y}, {s0.z, s1.z}, {s0.w, s1.w}};
+        n[0] = fmaxf(ok0 ? s0.x : 0.f, ok1 ? s1.x : 0.f);
+        n[1] = fmaxf(ok0 ? s0.y : 0.f, ok1 ? s1.y : 0.f);
+        n[2] = fmaxf(ok0 ? s0.z : 0.f, ok1 ? s1.z : 0.f);
+        n[3] = fmaxf(ok0 ? s0.w : 0.f, ok1 ? s1.w : 0.f);
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
-          // Positive floats order as their bit patterns: one warp-wide integer
-          // max (REDUX) instead of five shuffle + max steps. Negative or NaN
-          // scales (not written by the quantizer) count as 0.
-          auto bits = [](bool ok, float x) { return ok && x > 0.f ? __float_as_uint(x) : 0u; };
-          const uint32_t m = __reduce_max_sync(0xffffffffu, max(bits(ok0, mine[g][0]), bits(ok1, mine[g][1])));
-          n[g] = m != 0u ? __uint_as_float(m) : 1.f;  // scales are positive powers of two; guard anyway
+          CUTE_UNROLL
+          for (int off = 16; off > 0; off >>= 1) n[g] = fmaxf(n[g], __shfl_xor_sync(0xffffffffu, n[g], off));
+          n[g] = n[g] > 0.f ? n[g] : 1.f;  // scales are positive powers of two; guard anyway
         }
       }
       float shrink[kGroups];  // N_g old / new: exact for power-of-two scales; unused at the first page
