@@ -315,8 +315,9 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       page_row_max(plan, sc, it, wg, lane, rows, page_max);
 
       float o_scale[2];
-      // Lazy: p <= 16, and o_scale is 1 on most pages (no O rescale).
-      softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);  // sums of unrounded p
+      // Lazy: p <= 16, and o_scale is 1 on most pages (no O rescale). The
+      // row sums add the unrounded p.
+      softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);
 
       // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
       // c[j][g] = k_scale[t_j, g] * kPNormalizer / N_g, from one 16-byte load per token;
