@@ -120,8 +120,7 @@ def quantize_q(q_nope, mode):
     amax = np.abs(g).max(axis=-1)
     if mode == "row-pow2":  # one power-of-two scale per row, shared by its four groups
         amax = np.repeat(amax.max(axis=-1, keepdims=True), NG, axis=-1)
-        mode = "pow2"
-    if mode == "pow2":
+    if mode in ("pow2", "row-pow2"):
         scale = pow2_ceil(np.maximum(amax / 448.0, 1e-4))
     else:
         scale = f32(np.where(amax > 0, f32(amax) / 448.0, 1.0))
@@ -250,7 +249,8 @@ VARIANTS = ("A-exact-acc", "A", "A-rn14", "A-PV-noprom", "A-QK-noprom*", "A-f32-
 FLOORS = ("F0", "Fq", "F1")
 # The floor of the precision each variant computes in (the accuracy target's denominator).
 OWN_FLOOR = {"A": "F1", "A-f32-qscale": "F1", "A-exact-acc": "F1", "A-rn14": "F1", "A-PV-noprom": "F1",
-             "A-noP-norm": "F1", "A-QK-noprom*": "F1", "A-qrow": "F1", "B": "Fq", "C": "F0", "F0": "F0", "Fq": "Fq", "F1": "F1"}
+             "A-noP-norm": "F1", "A-QK-noprom*": "F1", "A-qrow": "F1", "B": "Fq", "C": "F0", "F0": "F0", "Fq": "Fq",
+             "F1": "F1"}
 
 
 def floor(name, q, kdeq):

@@ -9,8 +9,9 @@
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
 # --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
 # out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
-# RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
-# default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS).
+# RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150);
+# BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
+# default FORMATS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
