@@ -107,23 +107,43 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
   const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
   const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
+  // Blocks go in batches: the batch's ldmatrix are issued back to back
+  // before its first PRMT, so their latencies overlap (one block at a time,
+  // every PRMT waited on its own ldmatrix: the top short-scoreboard stall of
+  // fp8_per_tensor in Nsight Compute, session 6). The asm statements keep
+  // their source order (volatile, memory clobbers); loads from the K slot
+  // may pass stores to V^T, a different buffer.
+  constexpr int kBlocks = 8, kBatch = Tr::kTransposeBatch;
+  static_assert(kBlocks % kBatch == 0, "whole batches");
+  auto block_origin = [&](int block, int& ch0, int& t0) {
+    ch0 = warp_channels + (block / 4) * 32;
+    t0 = (block % 4) * 16;
+  };
   CUTE_UNROLL
-  for (int block = 0; block < 8; ++block) {
-    const int ch0 = warp_channels + (block / 4) * 32;
-    const int t0 = (block % 4) * 16;
-    const int token = t0 + ld_token;
-    const uint32_t src = token < valid ? k_base + uint32_t(layout_k(token, ch0 + ld_channel)) : zero_row;
-    uint32_t d[4];
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                 : "r"(src)
-                 : "memory");  // stays after the k_full wait
-    const uint32_t o0 = __byte_perm(d[0], d[1], sel_first), o1 = __byte_perm(d[0], d[1], sel_second);
-    const uint32_t o2 = __byte_perm(d[2], d[3], sel_first), o3 = __byte_perm(d[2], d[3], sel_second);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     vt_base + uint32_t(layout_vt(ch0 + st_channel, t0))),
-                 "r"(o0), "r"(o1), "r"(o2), "r"(o3)
-                 : "memory");
+  for (int first = 0; first < kBlocks; first += kBatch) {
+    uint32_t d[kBatch][4];
+    CUTE_UNROLL
+    for (int b = 0; b < kBatch; ++b) {
+      int ch0, t0;
+      block_origin(first + b, ch0, t0);
+      const int token = t0 + ld_token;
+      const uint32_t src = token < valid ? k_base + uint32_t(layout_k(token, ch0 + ld_channel)) : zero_row;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(d[b][0]), "=r"(d[b][1]), "=r"(d[b][2]), "=r"(d[b][3])
+                   : "r"(src)
+                   : "memory");  // stays after the k_full wait
+    }
+    CUTE_UNROLL
+    for (int b = 0; b < kBatch; ++b) {
+      int ch0, t0;
+      block_origin(first + b, ch0, t0);
+      const uint32_t o0 = __byte_perm(d[b][0], d[b][1], sel_first), o1 = __byte_perm(d[b][0], d[b][1], sel_second);
+      const uint32_t o2 = __byte_perm(d[b][2], d[b][3], sel_first), o3 = __byte_perm(d[b][2], d[b][3], sel_second);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       vt_base + uint32_t(layout_vt(ch0 + st_channel, t0))),
+                   "r"(o0), "r"(o1), "r"(o2), "r"(o3)
+                   : "memory");
+    }
   }
 }
 

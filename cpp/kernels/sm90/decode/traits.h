@@ -214,6 +214,9 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr bool kOwnPInRegisters = false;
   // Lazy rescale (softmax.h): P = e4m3(p) unscaled, p <= 2^8 < 448.
   static constexpr int kLazyRescaleLog2 = 8;
+  // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
+  // spilled 8 B here, next to S and O.
+  static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
@@ -286,6 +289,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // instead of 256 for p <= 1 emulates to the same error: docs/NUMERICS.md.)
   static constexpr int kLazyRescaleLog2 = 4;
   static constexpr float kPNormalizer = 16.f;
+  // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h).
+  static constexpr int kTransposeBatch = 4;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
   static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
