@@ -55,16 +55,19 @@ def oracle_decode(q64, latent64_pages, block_table, cache_seqlens, softmax_scale
 
 
 def round_q_like_ds_mla_kernel(q):
-    """The q the fp8_ds_mla kernel computes with (docs/NUMERICS.md, design A), as float32 ``[..., 576]``: each
-    (row, 128-channel group) of the 512 NoPE channels becomes e4m3(q / s) * s with s = amax / 448 rounded to
-    float32 (1 for an all-zero group); the 64 RoPE channels stay bf16. float32 division and the e4m3 cast both round
-    to nearest even, as the kernel's __fdiv_rn and cvt do."""
+    """The q the fp8_ds_mla kernel computes with (docs/NUMERICS.md, design A), as float32 ``[..., 576]``: the 512
+    NoPE channels of each row become e4m3(q / s) * s with one power-of-two scale per row, s = 2^ceil(log2(amax / 448))
+    (amax / 448 rounded to float32 first, as the kernel's __fdiv_rn; at least 2^-64; 1 for an all-zero row); the 64
+    RoPE channels stay bf16 (the kernel stores them divided by s and scales the scores by s: exact). Division by a
+    power of two is exact, and the e4m3 cast rounds to nearest even, as the kernel's cvt does."""
     q = np.asarray(q).astype(np.float32)
-    nope = q[..., :D_V].reshape(*q.shape[:-1], 4, 128)
+    nope = q[..., :D_V]
     amax = np.abs(nope).max(axis=-1, keepdims=True)
-    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    ratio = (amax / np.float32(448)).astype(np.float32)
+    pow2 = ((ratio.view(np.uint32).astype(np.uint64) + 0x007FFFFF) & 0xFF800000).astype(np.uint32).view(np.float32)
+    scale = np.where(amax > 0, np.maximum(pow2, np.float32(2.0**-64)), np.float32(1)).astype(np.float32)
     codes = np.clip(nope / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
-    nope = (codes.astype(np.float32) * scale).reshape(*q.shape[:-1], D_V)
+    nope = codes.astype(np.float32) * scale
     return np.concatenate([nope, q[..., D_V:]], axis=-1)
 
 

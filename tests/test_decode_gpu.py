@@ -33,10 +33,10 @@ errors are random), and lse ≥ the largest logit, so |Δlse| ≤ 4e-3·max(1, |
 worst case. (The same logit error moves P by up to ~1e-3·|logit|, below the e4m3 rounding for |logits| < ~50.)
 
 Tolerances (fp8_ds_mla kernel vs the format's fp32 reference, which uses the bf16 q on the dequantized cache): the
-kernel (docs/NUMERICS.md, design A) also rounds q's NoPE channels to e4m3 per (row, 128 channels) and P to e4m3
-(scaled per group by k_scale·16/N_g, N_g the chunk's running largest scale, with p ≤ 16 under the lazy rescale).
-The emulation puts that at rel-L2 ≈ 3.0e-2 / 1e-2 / 2.6e-2 (gaussian / rope outliers / small latent: sqrt of
-F1² − F0² in NUMERICS.md) against the reference; the P rounding alone is bounded by 2^-4 per probability as for
+kernel (docs/NUMERICS.md, design A) also rounds q's NoPE channels to e4m3 with one power-of-two scale per row, and P
+to e4m3 (scaled per group by k_scale·16/N_g, N_g the chunk's running largest scale, with p ≤ 16 under the lazy
+rescale). The emulation puts that at rel-L2 ≈ 3.0e-2 / 1e-2 / 2.6e-2 (gaussian / rope outliers / small latent: sqrt
+of F1² − F0² in NUMERICS.md) against the reference; the P rounding alone is bounded by 2^-4 per probability as for
 fp8_per_tensor. Bound: rel-L2 ≤ 6e-2, cosine difference ≤ 2e-3.
 lse moves with the q rounding by up to max_j |Δs_j| (lse is 1-Lipschitz in the scores): over thousands of keys that
 averages to ~5e-3 (NUMERICS.md, Fq − F0), but a causal row that sees 1–3 keys keeps its few scores' full error, and

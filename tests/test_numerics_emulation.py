@@ -6,6 +6,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import round_q_like_ds_mla_kernel
 
 from jax_flash_mla.quant import dequantize_kv_cache, quantize_kv_cache
 from jax_flash_mla.reference import mla_decode_reference
@@ -99,3 +100,14 @@ def test_per_row_q_scale_costs_nothing_even_with_groups_apart():
             num[name] += np.sum((emu.variant(name, q[i], ke[i], ks[i], rope[i], kdeq)[0] - truth) ** 2)
         den += np.sum(truth**2)
     assert np.sqrt(num["A-qrow"] / den) <= 1.01 * np.sqrt(num["A"] / den)
+
+
+def test_oracle_rounds_q_like_the_emulated_per_row_scale():
+    """The GPU tests' model of the kernel's q (oracle.round_q_like_ds_mla_kernel: bit arithmetic on the float32
+    amax / 448) equals the emulation's A-qrow quantizer (float64 log2), written independently."""
+    q, *_ = _data("gaussian")
+    q = q[0].astype(np.float32)
+    q[3, : emu.D_V] *= 1e-3  # another binade
+    qe, qs = emu.quantize_q(q[:, : emu.D_V].astype(np.float64), "row-pow2")
+    expected = np.concatenate([(qe * qs[..., None]).reshape(q.shape[0], emu.D_V), q[:, emu.D_V :]], axis=1)
+    np.testing.assert_array_equal(round_q_like_ds_mla_kernel(q), expected.astype(np.float32))

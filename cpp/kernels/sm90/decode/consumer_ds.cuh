@@ -8,85 +8,93 @@ namespace jax_flash_mla::sm90 {
 // Design A of docs/NUMERICS.md; Traits<kFp8DsMla> has the arithmetic and the
 // shared-memory plan. Only instantiated for that format.
 
-// Q prologue: the 64 bf16 RoPE channels go to q_rope by cp.async; the 512
-// NoPE channels are quantized to e4m3 per (row, 128-channel group) with the
-// fp32 scale amax / 448 (1 for an all-zero group), q / scale rounded to
-// nearest even and saturated. 256 consumer threads = 64 rows x 4 groups:
-// thread (row, g) = (ctid / 4, ctid % 4) loads its 256 bytes, reduces, and
-// writes 128 e4m3 bytes and q_scale[row][g]. Rows past q_rows_per_head_k are
-// zeros (scale 1); their results are never stored.
+// Q prologue: q's 512 NoPE channels are quantized to e4m3 with ONE scale per
+// row, qs = 2^ceil(log2(amax / 448)) over all four 128-channel groups (1 for
+// an all-zero row), and the 64 bf16 RoPE channels are stored divided by qs
+// (exact: a power of two). S then factors as qs * (R' + sum_g k_scale[t, g] T_g),
+// so the promotion is one FFMA per score and group and qs is applied once, when
+// the scores leave the accumulator. (Per-row instead of per-group scales: the
+// same error in emulation, even with the groups' magnitudes 2^9 apart, since
+// e4m3's exponent covers the spread; docs/NUMERICS.md.) 256 consumer threads
+// = 64 rows x 4 groups: thread (row, g) = (ctid / 4, ctid % 4) loads its 256
+// NoPE bytes and 16 RoPE channels; the quad of a row reduces amax. Rows past
+// q_rows_per_head_k are zeros (scale 1); their results are never stored.
 template <config::KvFormat kFormat>
 __device__ void SplitKvMlaKernel<kFormat>::load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k,
                                                     int m_block, int ctid) {
   using namespace cute;
   static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
+  static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
   // Opaque to the compiler: the addresses below are recomputed per chunk
   // rather than hoisted out of the chunk loop into registers (which spilled).
   asm volatile("" : "+r"(ctid));
   Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
-  auto row_src = [&](int row, bool& valid) {
-    const int r = m_block * kBlockM + row;
-    valid = r < p.q_rows_per_head_k;
-    const int s = valid ? r / p.heads_per_head_k : 0;
-    const int h = valid ? head_k * p.heads_per_head_k + r % p.heads_per_head_k : 0;
-    return q + s * p.q_seq_stride + h * p.q_head_stride;
+  const int row = ctid / Tr::kNumGroups;
+  const int g = ctid % Tr::kNumGroups;
+  const int r = m_block * kBlockM + row;
+  const bool valid = r < p.q_rows_per_head_k;
+  const __nv_bfloat16* q_row =
+      q + (valid ? (r / p.heads_per_head_k) * p.q_seq_stride +
+                       (head_k * p.heads_per_head_k + r % p.heads_per_head_k) * p.q_head_stride
+                 : 0);
+  const uint4* src = reinterpret_cast<const uint4*>(q_row + g * Tr::kGroupChannels);
+  constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
+  // Two passes over the 256 bytes (the second hits L1), so only a few
+  // registers are live next to O, which stays live across chunks.
+  auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
+  auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
+  auto load = [&](int i) { return valid ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u); };
+  float amax = 0.f;
+  CUTE_UNROLL
+  for (int i = 0; i < kPieces; ++i) {
+    const uint4 x = load(i);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    CUTE_UNROLL
+    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
+  }
+  amax = quad_allreduce_max(amax);  // the row's four groups are lanes 4 row .. 4 row + 3
+  // 2^ceil(log2(amax / 448)): round the fp32 quotient's exponent up unless
+  // its mantissa is zero; at least 2^-64, so RoPE / scale cannot overflow for
+  // a row whose NoPE part is all but zero. inv_scale = 1 / scale, also exact.
+  const uint32_t bits = __float_as_uint(__fdiv_rn(amax, 448.f));
+  const float scale = amax > 0.f ? fmaxf(__uint_as_float((bits + 0x007fffffu) & 0xff800000u), 0x1p-64f) : 1.f;
+  const float inv_scale = __fdiv_rn(1.f, scale);
+  auto cvt4 = [&](uint32_t w0, uint32_t w1) {  // 4 bf16 -> 4 e4m3 bytes
+    const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(make_float2(lo(w0) * inv_scale, hi(w0) * inv_scale),
+                                                            __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(make_float2(lo(w1) * inv_scale, hi(w1) * inv_scale),
+                                                            __NV_SATFINITE, __NV_E4M3);
+    return uint32_t(a) | (uint32_t(b) << 16);
   };
-  constexpr int kRopePieces = Tr::kHeadDimRope / 8;  // 16-byte pieces per row
-  for (int i = ctid; i < kBlockM * kRopePieces; i += kConsumers) {
-    const int row = i / kRopePieces;
-    const int col = (i % kRopePieces) * 8;
-    bool valid;
-    const __nv_bfloat16* src = row_src(row, valid) + Tr::kHeadDimNope + col;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     smem_addr(raw_pointer_cast(&sQR(row, col)))),
-                 "l"(src), "r"(valid ? 16 : 0)
+  // SW64 e4m3 tile: channel c of row `row` is at slab c / 64 (4 KB each),
+  // byte row * 64 + (((c % 64) / 16) ^ ((row >> 1) & 3)) * 16 + c % 16.
+  // Computed here in 32 bits (a table of hoisted generic pointers spilled).
+  const uint32_t row_base = smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kSlabBytes + row * 64);
+  const int sw = (row >> 1) & 3;
+  CUTE_UNROLL
+  for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
+    const uint4 x0 = load(i), x1 = load(i + 1);
+    const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
+                 "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
                  : "memory");
   }
-  {
-    const int row = ctid / Tr::kNumGroups;
-    const int g = ctid % Tr::kNumGroups;
-    bool valid;
-    const uint4* src = reinterpret_cast<const uint4*>(row_src(row, valid) + g * Tr::kGroupChannels);
-    constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
-    // Two passes over the 256 bytes (the second hits L1), so only a few
-    // registers are live next to O, which stays live across chunks.
-    auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
-    auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
-    auto load = [&](int i) { return valid ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u); };
-    float amax = 0.f;
+  // RoPE channels 16 g .. 16 g + 15 of the row, times 1 / scale (exact in bf16).
+  const uint4* rope_src = reinterpret_cast<const uint4*>(q_row + Tr::kHeadDimNope + 16 * g);
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const uint4 x = valid ? __ldg(rope_src + i) : make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    uint32_t y[4];
     CUTE_UNROLL
-    for (int i = 0; i < kPieces; ++i) {
-      const uint4 x = load(i);
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      CUTE_UNROLL
-      for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(lo(w[j]) * inv_scale, hi(w[j]) * inv_scale);
+      y[j] = *reinterpret_cast<const uint32_t*>(&v);
     }
-    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
-    auto cvt4 = [&](uint32_t w0, uint32_t w1) {  // 4 bf16 -> 4 e4m3 bytes
-      const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
-          make_float2(__fdiv_rn(lo(w0), scale), __fdiv_rn(hi(w0), scale)), __NV_SATFINITE, __NV_E4M3);
-      const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
-          make_float2(__fdiv_rn(lo(w1), scale), __fdiv_rn(hi(w1), scale)), __NV_SATFINITE, __NV_E4M3);
-      return uint32_t(a) | (uint32_t(b) << 16);
-    };
-    // SW64 e4m3 tile: channel c of row `row` is at slab c / 64 (4 KB each),
-    // byte row * 64 + (((c % 64) / 16) ^ ((row >> 1) & 3)) * 16 + c % 16.
-    // Computed here in 32 bits (a table of hoisted generic pointers spilled).
-    const uint32_t row_base =
-        smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kSlabBytes + row * 64);
-    const int sw = (row >> 1) & 3;
-    CUTE_UNROLL
-    for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
-      const uint4 x0 = load(i), x1 = load(i + 1);
-      const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
-                   "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
-                   : "memory");
-    }
-    plan.q_scale[row][g] = scale;
+    *reinterpret_cast<uint4*>(raw_pointer_cast(&sQR(row, 16 * g + 8 * i))) = make_uint4(y[0], y[1], y[2], y[3]);
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if (g == 0) plan.q_scale[row] = scale;
   fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
   named_barrier_sync(NamedBarriers::kQReady, kConsumers);
 }
@@ -207,20 +215,6 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
       const uint32_t my_scales = ds_scale_addr(slot, tok_first);
-      // This thread's 8 tokens: value v of the fragment is token j = token_of(v),
-      // at offset token_offset(j) from tok_first. k_scale[t, g] of them, as
-      // stored (slots past the chunk may hold NaN: their scores are masked by
-      // selection after the promotion, and P reads its own zero-filled copy, c).
-      auto group_scales = [&](int g, float (&ks)[8]) {
-        CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) {
-          asm volatile("ld.shared.f32 %0, [%1];\n"
-                       : "=f"(ks[j])
-                       : "r"(my_scales + uint32_t(token_offset(j) * 64 + 4 * g))
-                       : "memory");
-        }
-      };
-
       // The transpose while this page's S head (RoPE, group 0) and the last
       // page's P V are in flight.
       transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
@@ -234,6 +228,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       auto issue_group = [&](auto& T, int g) {
         wgmma_batch<kGroupSteps>(mma_nope, cute::get<0>(q_operands()), tSrKN, T, false, g * kGroupSteps);
       };
+      issue_group(tSrT1, 1);  // under the scale loads below and group 0's promotion
 
       // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
       // Every warp reduces all 64 tokens (two per lane) on its own, so all
@@ -250,16 +245,36 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
                      : "r"(ds_scale_addr(slot, lane + 32))
                      : "memory");
         const bool ok0 = lane < valid, ok1 = lane + 32 < valid;
-        n[0] = fmaxf(ok0 ? s0.x : 0.f, ok1 ? s1.x : 0.f);
-        n[1] = fmaxf(ok0 ? s0.y : 0.f, ok1 ? s1.y : 0.f);
-        n[2] = fmaxf(ok0 ? s0.z : 0.f, ok1 ? s1.z : 0.f);
-        n[3] = fmaxf(ok0 ? s0.w : 0.f, ok1 ? s1.w : 0.f);
+        const float mine[kGroups][2] = {{s0.x, s1.x}, {s0.y, s1.y}, {s0.z, s1.z}, {s0.w, s1.w}};
         CUTE_UNROLL
         for (int g = 0; g < kGroups; ++g) {
-          CUTE_UNROLL
-          for (int off = 16; off > 0; off >>= 1) n[g] = fmaxf(n[g], __shfl_xor_sync(0xffffffffu, n[g], off));
-          n[g] = n[g] > 0.f ? n[g] : 1.f;  // scales are positive powers of two; guard anyway
+          // Positive floats order as their bit patterns: one warp-wide integer
+          // max (REDUX) instead of five shuffle + max steps. Negative or NaN
+          // scales (not written by the quantizer) count as 0.
+          auto bits = [](bool ok, float x) { return ok && x > 0.f ? __float_as_uint(x) : 0u; };
+          const uint32_t m = __reduce_max_sync(0xffffffffu, max(bits(ok0, mine[g][0]), bits(ok1, mine[g][1])));
+          n[g] = m != 0u ? __uint_as_float(m) : 1.f;  // scales are positive powers of two; guard anyway
         }
+      }
+      // k_scale[t_j, g] of this thread's 8 tokens (value v of the fragment is
+      // token j = token_of(v), at offset token_offset(j) from tok_first), one
+      // 16-byte load per token, 0 past the chunk (slots there may hold NaN:
+      // those scores are masked by selection after the promotion, and P would
+      // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= 16 / N_g).
+      float ksc[8][kGroups];
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        asm volatile(
+            "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
+            " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
+            : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
+            : "r"(tok_first + token_offset(j)), "r"(valid), "r"(my_scales + uint32_t(token_offset(j) * 64))
+            : "memory");
+        ksc[j][0] = x.x;
+        ksc[j][1] = x.y;
+        ksc[j][2] = x.z;
+        ksc[j][3] = x.w;
       }
       float shrink[kGroups];  // N_g old / new: exact for power-of-two scales; unused at the first page
       CUTE_UNROLL
@@ -269,19 +284,12 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
         norm[g] = grown;
       }
 
-      // S += (q_scale[r, g] * k_scale[t, g]) * T_g, in fp32. q_scale is read
-      // from shared memory each time (8 fewer live registers next to O).
+      // S += k_scale[t, g] * T_g, in fp32 (q's row scale comes last).
       auto promote = [&](auto& T, int g) {
         warpgroup_fence_operand(T);
-        const float qs[2] = {plan.q_scale[rows[0]][g], plan.q_scale[rows[1]][g]};
-        float ks[8];
-        group_scales(g, ks);
         CUTE_UNROLL
-        for (int v = 0; v < size(tSrS); ++v) {
-          tSrS(v) += (qs[fragment_row_half(v)] * ks[token_of(v)]) * T(v);
-        }
+        for (int v = 0; v < size(tSrS); ++v) tSrS(v) = fmaf(ksc[token_of(v)][g], T(v), tSrS(v));
       };
-      issue_group(tSrT1, 1);
       promote(tSrT0, 0);
       issue_group(tSrT0, 2);
       warpgroup_wait<1>();  // group 1
@@ -290,15 +298,21 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       warpgroup_wait<1>();  // group 2
       promote(tSrT0, 2);
       warpgroup_wait<0>();  // group 3
+      // The slot's last reads (S retired, V^T and the scales copied): the
+      // producer may refill it while this page's softmax and P V run.
+      release_slot(plan, stage, lane);
       promote(tSrT1, 3);
       warpgroup_fence_operand(tSrS);
-      // This page's scores leave the accumulator (the softmax writes them
+      // This page's scores leave the accumulator, times q's row scale (the softmax writes them
       // while the next page's S head is in flight: modifying registers of an
       // in-flight batch's kind makes ptxas serialize, C7515), and the head of
       // the next page's S goes out.
       Tensor sc = make_fragment_like(tSrS);
-      CUTE_UNROLL
-      for (int v = 0; v < size(tSrS); ++v) sc(v) = tSrS(v);
+      {
+        const float qs[2] = {plan.q_scale[rows[0]], plan.q_scale[rows[1]]};
+        CUTE_UNROLL
+        for (int v = 0; v < size(tSrS); ++v) sc(v) = tSrS(v) * qs[fragment_row_half(v)];
+      }
       if (page + 1 < page_end) issue_s_head(it + 1);
 
       // Visible keys per row (as in consumer()), recomputed per page from an
@@ -320,37 +334,17 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);
 
       // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
-      // c[j][g] = k_scale[t_j, g] * kPNormalizer / N_g, from one 16-byte load per token;
-      // 0 past the chunk (p is 0 there, but 0 * NaN would be NaN).
-      float c[8][kGroups];
-      CUTE_UNROLL
-      for (int j = 0; j < 8; ++j) {
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        asm volatile(
-            "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
-            " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
-            : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
-            : "r"(tok_first + token_offset(j)), "r"(valid), "r"(my_scales + uint32_t(token_offset(j) * 64))
-            : "memory");
-        c[j][0] = x.x;
-        c[j][1] = x.y;
-        c[j][2] = x.z;
-        c[j][3] = x.w;
-      }
-      // The slot's last reads (S retired, V^T and the scales copied): the
-      // producer may refill it while this page's softmax and P V run.
-      release_slot(plan, stage, lane);
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         const float f = __fdividef(Tr::kPNormalizer, norm[g]);  // MUFU.RCP: exact when N_g is a power of two
         CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) c[j][g] *= f;
+        for (int j = 0; j < 8; ++j) ksc[j][g] *= f;
       }
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
         store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, sc,
-                                       [&](int v) { return c[token_of(v)][g]; }, 2 * wg);
+                                       [&](int v) { return ksc[token_of(v)][g]; }, 2 * wg);
       }
       // Rescale O (no WGMMA reads it now: the last P V retired before this
       // page's S did) by the row-max factor and, per group, N_g old / new;

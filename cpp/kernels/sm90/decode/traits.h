@@ -243,11 +243,12 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 // fp8_ds_mla: 656-byte tokens (README §2 of shared/): bytes 0-511 e4m3 NoPE,
 // 512-527 four fp32 scales (scale g multiplies channels 128g..128g+127),
 // 528-655 64 bf16 RoPE. q arrives as bf16. Design A of docs/NUMERICS.md:
-//   - Q prologue (kScaleGroups): q NoPE is quantized to e4m3 per (row,
-//     128-channel group) with fp32 scale amax/448, RoPE stays bf16.
-//   - S = Q_rope K_rope^T (bf16 WGMMA, 4 k-steps) then per group g a fresh
-//     FP8 WGMMA T_g (4 k-steps of 32) promoted in fp32:
-//     S += (q_scale[r,g] * k_scale[t,g]) * T_g.
+//   - Q prologue (kScaleGroups): q NoPE is quantized to e4m3 per row with
+//     the power-of-two scale qs = 2^ceil(log2(amax/448)); RoPE stays bf16,
+//     stored as q_rope / qs (exact).
+//   - S = qs * (Q_rope' K_rope^T (bf16 WGMMA, 4 k-steps) + sum over groups g
+//     of k_scale[t,g] * T_g), each T_g a fresh FP8 WGMMA (4 k-steps of 32)
+//     promoted in fp32 by one FFMA per score.
 //   - P per output group: P_g[t] = e4m3(p[t] * k_scale[t,g] * 16 / N_g),
 //     N_g the largest k_scale[., g] of the chunk's tokens so far (a power of
 //     two, so the factor is exact); the row sum keeps the unrounded p.
@@ -344,7 +345,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     alignas(1024) Element vt[2][kVtElems];
     alignas(1024) Element p[kNumGroups][kPElems];  // P_g, one tile per output group
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
-    float q_scale[decode_cfg::kBlockM][kNumGroups];
+    float q_scale[decode_cfg::kBlockM];  // q's per-row power-of-two scale
     float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
