@@ -231,12 +231,22 @@ struct SplitKvMlaKernel {
   __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t);
   __device__ static void consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
                                      int m_block, int wg, int tid);
+  // fp8_per_tensor with at most Tr::kNarrowRows query rows per KV head
+  // (consumer_narrow.cuh): transposed WGMMAs, one page per WG, merged at the
+  // chunk's end by epilogue_narrow.
+  __device__ static void consumer_narrow(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
+                                         int wg, int tid);
+  template <class FragO>
+  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int wg,
+                                         int tid, bool has_pages, const float (&m_ref)[4], const float (&l_part)[4],
+                                         FragO& tOrO, float logit_scale, float scale_log2, float out_scale);
   // Normalizes O and writes out / lse or the split partials (epilogue.cuh).
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
                                   int tid, const OnlineSoftmaxState& softmax, FragO& tOrO, const CoordO& tOcO,
                                   const int (&rows)[2], float scale, float out_scale);
 
+  template <bool kNarrow>
   __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
     const DecodeParams& p = args.params;
     Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -279,7 +289,9 @@ struct SplitKvMlaKernel {
 
     if (warp < kConsumers / 32) {
       cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
-      if constexpr (Tr::kScaleGroups) {
+      if constexpr (kNarrow) {
+        consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
+      } else if constexpr (Tr::kScaleGroups) {
         consumer_ds(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
       } else {
         // The warpgroup index through a shuffle, so that ptxas knows it is
@@ -299,16 +311,18 @@ struct SplitKvMlaKernel {
 // The member functions too long to read inside the class.
 #include "kernels/sm90/decode/consumer_pairs.cuh"
 #include "kernels/sm90/decode/consumer_ds.cuh"
+#include "kernels/sm90/decode/consumer_narrow.cuh"
 #include "kernels/sm90/decode/epilogue.cuh"
 
 namespace jax_flash_mla::sm90 {
 
-template <config::KvFormat kFormat>
+// kNarrow: the few-query-rows consumer (Traits::kNarrowRows > 0 only).
+template <config::KvFormat kFormat, bool kNarrow>
 __global__ void __launch_bounds__(decode_cfg::kNumThreads, 1)
     splitkv_mla_kernel(const __grid_constant__ SplitKvArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  SplitKvMlaKernel<kFormat>::run(args, smem_raw);
+  SplitKvMlaKernel<kFormat>::template run<kNarrow>(args, smem_raw);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for a GPU without sm_90a WGMMA / TMA
 #endif
@@ -376,7 +390,10 @@ void run_splitkv_mla(const DecodeParams& params) {
   args.params = params;
   args.k_map = make_k_tensor_map<kFormat>(params);
 
-  auto kernel = &splitkv_mla_kernel<kFormat>;
+  auto kernel = &splitkv_mla_kernel<kFormat, false>;
+  if constexpr (Tr::kNarrowRows > 0) {
+    if (params.q_rows_per_head_k <= Tr::kNarrowRows) kernel = &splitkv_mla_kernel<kFormat, true>;
+  }
   constexpr int kSmem = Tr::kSmemBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "splitkv_mla",
              "cudaFuncSetAttribute");

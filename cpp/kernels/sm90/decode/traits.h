@@ -134,6 +134,7 @@ struct Traits<config::KvFormat::kBf16> {
   // One P tile: WG0 writes P_A for WG1; WG1 overwrites it with P_B for WG0
   // once its read of P_A retired (each WG reads its own P from registers).
   static constexpr int kNumPTiles = 1;
+  static constexpr int kNarrowRows = 0;  // no consumer_narrow
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
@@ -218,6 +219,14 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
+  // Up to 16 query rows per KV head take consumer_narrow (S^T = K Q^T and
+  // O^T = V^T P^T with tokens / channels as M): P^T tiles of 16 rows x 64
+  // tokens, two per WG in its P tile; V^T as register A fragments.
+  static constexpr int kNarrowRows = 16;
+  using TiledMmaNarrowS = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_SS_TN<>{}));
+  using TiledMmaNarrowO = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_RS_TN<>{}));
+  using SmemLayoutPt = KMajorTile<KAtom, kNarrowRows, decode_cfg::kBlockN>;
+  static constexpr int kPtBytes = kNarrowRows * decode_cfg::kBlockN;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
@@ -295,6 +304,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
+  static constexpr int kNarrowRows = 0;  // no consumer_narrow
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
   static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
