@@ -1,5 +1,5 @@
 // The fp8_ds_mla consumer (Tr::kScaleGroups): per-page token split, FP8 WGMMAs with per-group scales.
-// Member definitions of SplitKvMlaKernel<kFormat, kNarrow> (splitkv_mla.cuh), which
+// Member definitions of SplitKvMlaKernel<kFormat> (splitkv_mla.cuh), which
 // includes this file after the class; not a standalone header.
 #pragma once
 
@@ -19,9 +19,9 @@ namespace jax_flash_mla::sm90 {
 // = 64 rows x 4 groups: thread (row, g) = (ctid / 4, ctid % 4) loads its 256
 // NoPE bytes and 16 RoPE channels; the quad of a row reduces amax. Rows past
 // q_rows_per_head_k are zeros (scale 1); their results are never stored.
-template <config::KvFormat kFormat, bool kNarrow>
-__device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams& p, Plan& plan, int batch,
-                                                             int head_k, int m_block, int ctid) {
+template <config::KvFormat kFormat>
+__device__ void SplitKvMlaKernel<kFormat>::load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k,
+                                                    int m_block, int ctid) {
   using namespace cute;
   static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
   static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
@@ -102,15 +102,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
 // Shared-window address of the four fp32 scales of token t in a K slot. The
 // scale slab is 64-byte swizzled like the others: the 16-byte unit of row t
 // is unit 0 XOR ((t >> 1) & 3).
-template <config::KvFormat kFormat, bool kNarrow>
-__device__ uint32_t SplitKvMlaKernel<kFormat, kNarrow>::ds_scale_addr(uint32_t slot_base, int t) {
+template <config::KvFormat kFormat>
+__device__ uint32_t SplitKvMlaKernel<kFormat>::ds_scale_addr(uint32_t slot_base, int t) {
   return slot_base + uint32_t(Tr::kScaleSlab * Tr::kSlabBytes + t * 64 + (((t >> 1) & 3) << 4));
 }
 
-template <config::KvFormat kFormat, bool kNarrow>
-__device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArgs& args, Plan& plan,
-                                                               const SchedMeta& meta, int head_k, int m_block, int wg,
-                                                               int tid) {
+template <config::KvFormat kFormat>
+__device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
+                                                      int head_k, int m_block, int wg, int tid) {
   using namespace cute;
   using Rope = typename Tr::ElementRope;
   constexpr int kGroups = Tr::kNumGroups;
