@@ -175,7 +175,8 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
   // The head of page i's S: RoPE into S and NoPE group 0 into T0, one batch.
   // Issued for the next page right after this page's S is complete, so these
   // WGMMAs run under this page's softmax and P stores. (Group 1 into T1 as
-  // well made ptxas spill 84 B: T1 and the P scales would be live together.)
+  // well made ptxas spill: T1 would be live next to the cached token scales,
+  // 84 B in session 6, 128 B with them cached in session 7.)
   constexpr int kGroupSteps = Tr::kGroupChannels / 32;
   auto issue_s_head = [&](int i) __attribute__((always_inline)) {
     const int st = i % Tr::kNumStages;
@@ -303,10 +304,10 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       release_slot(plan, stage, lane);
       promote(tSrT1, 3);
       warpgroup_fence_operand(tSrS);
-      // This page's scores leave the accumulator, times q's row scale (the softmax writes them
-      // while the next page's S head is in flight: modifying registers of an
-      // in-flight batch's kind makes ptxas serialize, C7515), and the head of
-      // the next page's S goes out.
+      // This page's scores leave the accumulator, times q's row scale (the
+      // softmax writes them while the next page's S head is in flight:
+      // modifying registers of an in-flight batch's kind makes ptxas
+      // serialize, C7515), and the head of the next page's S goes out.
       Tensor sc = make_fragment_like(tSrS);
       {
         const float qs[2] = {plan.q_scale[rows[0]], plan.q_scale[rows[1]]};
