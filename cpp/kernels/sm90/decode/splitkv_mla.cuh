@@ -12,10 +12,7 @@
 //                               pages into its half of O's 512 columns.
 //                               fp8_ds_mla (consumer_ds): each WG computes S on
 //                               half of every page's tokens, meeting the other
-//                               at kMaxReady / kPReady per page. With <= 16
-//                               query rows, the FP8 formats run kNarrow
-//                               (consumer_narrow): S^T and O^T with tokens /
-//                               channels as M, the WGs on alternate pages;
+//                               at kMaxReady / kPReady per page;
 //   warps 8-11 (WG2)            producer: one lane walks the same chunks and
 //                               streams K pages by TMA into a kNumStages-slot ring; the
 //                               warpgroup gives its registers to the consumers.
@@ -39,8 +36,7 @@
 //
 // Files: this one holds the class (producer, Q load, the per-page helpers both
 // consumers share, run), the __global__ kernel and the host launcher; the long
-// members live in consumer_pairs.cuh, consumer_ds.cuh, consumer_narrow.cuh and
-// epilogue.cuh, and
+// members live in consumer_pairs.cuh, consumer_ds.cuh and epilogue.cuh, and
 // the FP8 shared-memory lane mappings in fp8_smem.h.
 #pragma once
 
@@ -113,11 +109,9 @@ __device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Sche
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) f(make_chunk(p, meta, b));
 }
 
-// kNarrow: the few-query-rows variant (consumer_narrow.cuh), on the format's
-// NarrowTraits (its own shared-memory plan and stage count).
-template <config::KvFormat kFormat, bool kNarrow = false>
+template <config::KvFormat kFormat>
 struct SplitKvMlaKernel {
-  using Tr = std::conditional_t<kNarrow, NarrowTraits<kFormat>, Traits<kFormat>>;
+  using Tr = Traits<kFormat>;
   using Element = typename Tr::Element;
   using Plan = typename Tr::SharedMemoryPlan;
   static constexpr int kBlockM = decode_cfg::kBlockM;
@@ -235,21 +229,8 @@ struct SplitKvMlaKernel {
   // address in a slot, and the per-page split consumer.
   __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid);
   __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t);
-  // The four scales of token t (zeros for t >= valid), and the page's largest
-  // scale per group over its first `valid` tokens (every warp reduces all 64).
-  __device__ static float4 ds_token_scales(uint32_t slot_base, int t, int valid);
-  __device__ static void ds_page_scale_max(uint32_t slot_base, int lane, int valid, float (&n)[4]);
   __device__ static void consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
                                      int m_block, int wg, int tid);
-  // FP8 formats with at most Tr::kNarrowRows query rows per KV head
-  // (consumer_narrow.cuh, on NarrowTraits): transposed WGMMAs, one page per
-  // WG, the two WGs merged at the chunk's end by epilogue_narrow.
-  __device__ static void consumer_narrow(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
-                                         int wg, int tid);
-  template <class FragO>
-  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int wg,
-                                         int tid, bool has_pages, const float (&m_ref)[4], const float (&l_part)[4],
-                                         FragO& tOrO, float logit_scale, float scale_log2, float out_scale);
   // Normalizes O and writes out / lse or the split partials (epilogue.cuh).
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
@@ -267,8 +248,7 @@ struct SplitKvMlaKernel {
       for (int s = 0; s < Tr::kNumStages; ++s) {
         if constexpr (Tr::kScaleGroups) {
           mbarrier_init(&plan.k_full[s], 1);
-          // Every consumer warp reads every page; a narrow page has one WG.
-          mbarrier_init(&plan.k_empty[s], kNarrow ? 4 : kConsumers / 32);
+          mbarrier_init(&plan.k_empty[s], kConsumers / 32);
         } else {
           for (int part = 0; part < 2; ++part) {
             mbarrier_init(&plan.k_full[s][part], 1);
@@ -299,9 +279,7 @@ struct SplitKvMlaKernel {
 
     if (warp < kConsumers / 32) {
       cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
-      if constexpr (kNarrow) {
-        consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
-      } else if constexpr (Tr::kScaleGroups) {
+      if constexpr (Tr::kScaleGroups) {
         consumer_ds(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
       } else {
         // The warpgroup index through a shuffle, so that ptxas knows it is
@@ -321,18 +299,16 @@ struct SplitKvMlaKernel {
 // The member functions too long to read inside the class.
 #include "kernels/sm90/decode/consumer_pairs.cuh"
 #include "kernels/sm90/decode/consumer_ds.cuh"
-#include "kernels/sm90/decode/consumer_narrow.cuh"
 #include "kernels/sm90/decode/epilogue.cuh"
 
 namespace jax_flash_mla::sm90 {
 
-// kNarrow: the few-query-rows consumer (Traits::kNarrowRows > 0 only).
-template <config::KvFormat kFormat, bool kNarrow>
+template <config::KvFormat kFormat>
 __global__ void __launch_bounds__(decode_cfg::kNumThreads, 1)
     splitkv_mla_kernel(const __grid_constant__ SplitKvArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  SplitKvMlaKernel<kFormat, kNarrow>::run(args, smem_raw);
+  SplitKvMlaKernel<kFormat>::run(args, smem_raw);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for a GPU without sm_90a WGMMA / TMA
 #endif
@@ -400,19 +376,12 @@ void run_splitkv_mla(const DecodeParams& params) {
   args.params = params;
   args.k_map = make_k_tensor_map<kFormat>(params);
 
-  auto launch = [&](auto kernel, int smem_bytes) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",
-               "cudaFuncSetAttribute");
-    launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
-                    dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
-  };
-  if constexpr (Tr::kNarrowRows > 0) {
-    if (params.q_rows_per_head_k <= Tr::kNarrowRows) {
-      launch(&splitkv_mla_kernel<kFormat, true>, NarrowTraits<kFormat>::kSmemBytes);
-      return;
-    }
-  }
-  launch(&splitkv_mla_kernel<kFormat, false>, Tr::kSmemBytes);
+  auto kernel = &splitkv_mla_kernel<kFormat>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "splitkv_mla",
+             "cudaFuncSetAttribute");
+  launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
+                  dim3(decode_cfg::kNumThreads), kSmem, params.stream, "splitkv_mla", args);
 }
 
 }  // namespace jax_flash_mla::sm90
