@@ -1,7 +1,7 @@
 """Where a decode kernel disagrees with the reference, for debugging a kernel on the GPU machine.
 
-Runs one shape through implementation="kernel" and "reference" and prints the error by query row, by 64-channel
-block and by token range of the sequence (a wrong lane mapping shows up as whole channel blocks or row classes
+Runs one shape through implementation="kernel" and "reference" and prints the error by 64-channel block, by
+channel parity and by query row (a wrong lane mapping shows up as whole channel blocks, one parity or row classes
 off; a wrong merge of partial results as rows off by a constant factor; a stale-slot bug as NaN), plus lse and
 the split-KV layout. Example (the few-rows kernel on M1-like rows, split over partitions):
 
@@ -30,7 +30,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--format", default="bf16", choices=["bf16", "fp8_per_tensor", "fp8_ds_mla"])
+    ap.add_argument("--format", default="bf16", choices=fm.KV_FORMATS)
     ap.add_argument("--b", type=int, default=2)
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--h-q", type=int, default=16)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     meta = fm.get_mla_metadata(args[3], rows, a.h_kv, num_sms=a.num_sms)
     common = dict(softmax_scale=SOFTMAX_SCALE, causal=a.causal, **kwargs)
     implementation = "kernel" if a.format in fm.kernel_formats() else "reference"
-    out, lse = fm.flash_mla_with_kvcache(*args, 512, meta, implementation=implementation, **common)
+    out, lse = fm.flash_mla_with_kvcache(*args, fm.HEAD_DIM_V, meta, implementation=implementation, **common)
     ref, ref_lse = fm.flash_mla_with_kvcache(*args, implementation="reference", **common)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)  # [b, s_q, h_q, 512]
     lse, ref_lse = np.asarray(lse, np.float64), np.asarray(ref_lse, np.float64)  # [b, h_q, s_q]

@@ -261,7 +261,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       // token j = token_of(v), at offset token_offset(j) from tok_first), one
       // 16-byte load per token, 0 past the chunk (slots there may hold NaN:
       // those scores are masked by selection after the promotion, and P would
-      // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= 16 / N_g).
+      // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= kPNormalizer / N_g).
       float ksc[8][kGroups];
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
@@ -330,7 +330,7 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       page_row_max(plan, sc, it, wg, lane, rows, page_max);
 
       float o_scale[2];
-      // Lazy: p <= 16, and o_scale is 1 on most pages (no O rescale). The
+      // Lazy: p <= 2^kLazyRescaleLog2, and o_scale is 1 on most pages (no O rescale). The
       // row sums add the unrounded p.
       softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);
 
