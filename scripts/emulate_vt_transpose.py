@@ -7,6 +7,7 @@ byte permutes and stmatrix.x4 do per lane (PTX ISA "ldmatrix" / "stmatrix" fragm
   - every 8-lane phase of each ldmatrix / stmatrix touches 8 distinct 16-byte bank groups.
 store_p_e4m3: replays the stmatrix store of P from the WGMMA accumulator fragment (m64n64 for fp8_per_tensor,
 each WG's m64n32 half for fp8_ds_mla) and checks P_tile[row][p_column(t)] == P[row][t], conflict-free.
+run_narrow: the few-query-rows consumer's V^T register A fragments and P^T store (consumer_narrow.cuh).
 Run: python3 scripts/emulate_vt_transpose.py   (prints "ok" or raises)
 """
 import numpy as np
@@ -146,6 +147,100 @@ def run_store_p(n_per_wg, rng):
             assert tile[sw64(row, p_column(t))] == p[row, t], (n_per_wg, row, t)
 
 
+def a_fragment_coord(warp, lane, v):
+    """CuTe ALayout_64x32 (register A of m64nNk32, 8-bit): value v = v0 + 4 v1 + 8 v2 of a thread -> (row, k)."""
+    idx = 256 * (lane % 4) + lane // 4 + 16 * warp + 64 * (v % 4) + 8 * ((v // 4) % 2) + 1024 * (v // 8)
+    return idx % 64, idx // 64
+
+
+def c_fragment_coord(warp, lane, v):
+    """CuTe CLayout_64x16 (m64n16 accumulator): value v = v0 + 2 v1 + 4 v2 of a thread -> (row, column)."""
+    return 16 * warp + lane // 4 + 8 * ((v // 2) % 2), 2 * (lane % 4) + v % 2 + 8 * (v // 4)
+
+
+def run_narrow(valid, rng):
+    """consumer_narrow (fp8_per_tensor, <= 16 query rows): one WG builds V^T A fragments from the K slot by
+    ldmatrix.x4.trans + two byte permutes per matrix pair and stores P^T bytes from the S^T accumulator; checks
+      - A fragment (block mb, k-step ks) value (row, k) == K[token][channel] with token 32 ks + p_column^-1(k) and
+        channel 64 mb + 16 warp + 2 (row % 8) + (row % 16) // 8, 0 past `valid`, so O^T row r of block mb is that
+        channel: the epilogue's 64 mb + 16 warp + 2 (lane / 4) + row half;
+      - the P^T tile (16 rows x 64 tokens, SW64) holds P[row][token] at column p_column(token), the order of k;
+      - every 8-lane phase of the ldmatrix touches 8 distinct 16-byte bank groups."""
+    k_slot = np.zeros(TOKENS * 512 + 64, np.uint8)
+    zeros = np.zeros(16, np.uint8)
+    data = rng.integers(0, 256, size=(TOKENS, 512), dtype=np.uint8)
+    layout_k = lambda t, c: (c // 64) * 4096 + sw64(t, c % 64)
+    for t in range(TOKENS):
+        for c in range(512):
+            k_slot[layout_k(t, c)] = data[t, c]
+    inverse_p_column = {p_column(t): t for t in range(TOKENS)}
+    for warp in range(4):
+        for ks in range(2):
+            for mb in range(8):
+                rows = []
+                for lane in range(32):
+                    token = 32 * ks + lane  # ld_token: matrix lane / 8 = tokens 8 (lane / 8) .. of the k-step
+                    rows.append(("k", layout_k(token, 64 * mb + 16 * warp)) if token < valid else ("z", 0))
+                if valid >= 32 * ks + 32:
+                    check_conflicts([a for _, a in rows], "ldmatrix (narrow)")
+
+                def row_bytes(m, r):
+                    kind, a = rows[8 * m + r]
+                    return (k_slot if kind == "k" else zeros)[a: a + 16]
+
+                for lane in range(32):
+                    q, col = lane % 4, lane // 4
+                    d = []
+                    for m in range(4):
+                        b = list(row_bytes(m, 2 * q)[2 * col: 2 * col + 2]) + \
+                            list(row_bytes(m, 2 * q + 1)[2 * col: 2 * col + 2])
+                        d.append(sum(int(x) << (8 * i) for i, x in enumerate(b)))
+                    words = [byte_perm(d[0], d[1], 0x6420), byte_perm(d[0], d[1], 0x7531),
+                             byte_perm(d[2], d[3], 0x6420), byte_perm(d[2], d[3], 0x7531)]
+                    for v in range(16):
+                        got = (words[v // 4] >> (8 * (v % 4))) & 0xFF
+                        row, k = a_fragment_coord(warp, lane, v)
+                        assert row // 16 == warp
+                        channel = 64 * mb + 16 * warp + 2 * (row % 8) + (row % 16) // 8
+                        token = 32 * ks + 16 * (k // 16) + inverse_p_column[k % 16]
+                        want = data[token, channel] if token < valid else 0
+                        assert got == want, (valid, warp, ks, mb, lane, v, got, want)
+                # The accumulator row of this lane and half is the same channel (epilogue_narrow's mapping).
+                for lane in range(32):
+                    for half in range(2):
+                        row, _ = c_fragment_coord(warp, lane, 2 * half)
+                        assert 64 * mb + 16 * warp + 2 * (row % 8) + (row % 16) // 8 == \
+                            64 * mb + 16 * warp + 2 * (lane // 4) + half
+    # consumer_narrow's own formulas for the m64n16 accumulators agree with CuTe's CLayout_64x16: value v of
+    # (warp, lane) is token / channel row token_of(v) and query row col_of(col_index(v)); value_of inverts
+    # col_index per row half; the O^T rescale's col_index(v + 8 block) and group v // 16 see block-local values.
+    col_index = lambda v: (v & 1) + 2 * ((v >> 2) & 1)
+    value_of = lambda k4, half: (k4 & 1) + 4 * (k4 >> 1) + 2 * half
+    for warp in range(4):
+        for lane in range(32):
+            col_of = lambda k4: 2 * (lane % 4) + (k4 & 1) + 8 * (k4 >> 1)
+            for v in range(8):
+                token_of = 16 * warp + lane // 4 + 8 * ((v >> 1) & 1)
+                assert c_fragment_coord(warp, lane, v) == (token_of, col_of(col_index(v))), (warp, lane, v)
+                for block in range(8):
+                    assert col_index(v + 8 * block) == col_index(v) and (v + 8 * block) // 16 == block // 2
+    for k4 in range(4):
+        for half in range(2):
+            assert col_index(value_of(k4, half)) == k4 and (value_of(k4, half) >> 1) & 1 == half
+    # P^T: bytes of the S^T fragment (tokens x query rows) to a 16 x 64 SW64 tile at pt_column(token).
+    p = rng.integers(0, 256, size=(16, 64), dtype=np.uint8)
+    tile = np.full(16 * 64, 0xAA, np.uint8)
+    for warp in range(4):
+        for lane in range(32):
+            for v in range(8):
+                token, row = c_fragment_coord(warp, lane, v)
+                tile[sw64(row, p_column(token))] = p[row, token]
+    for row in range(16):
+        for k in range(64):
+            token = 16 * (k // 16) + inverse_p_column[k % 16]
+            assert tile[sw64(row, k)] == p[row, token], (row, k)
+
+
 def main():
     rng = np.random.default_rng(0)
     assert sorted(p_column(t) for t in range(64)) == list(range(64))
@@ -155,6 +250,8 @@ def main():
             run(wg, valid, rng)
     run_store_p(64, rng)  # fp8_per_tensor: the page's owner stores all 64 tokens
     run_store_p(32, rng)  # fp8_ds_mla: each WG its 32
+    for valid in (64, 100, 37, 1, 0, 16, 33):
+        run_narrow(valid, rng)  # fp8_per_tensor with <= 16 query rows
     print("ok")
 
 

@@ -41,16 +41,22 @@ def main() -> int:
     if not formats:
         print("gpu_sanitize: no usable decode kernel here; nothing to check")
         return 0
-    return max(check(f) for f in formats)
+    return max(check(f, s_q, h_q, h_kv) for f in formats for s_q, h_q, h_kv in SHAPES)
 
 
-def check(kv_format: str) -> int:
+# (s_q, h_q, h_kv): 72 rows per KV head (two row tiles, the second padded); and 16 rows (s_q 2 x 8 heads), which
+# the FP8 formats run on their few-rows kernel (consumer_narrow.cuh: transposed WGMMAs, per-WG pages merged at
+# the chunk's end) and bf16 on its 64-row kernel.
+SHAPES = ((2, 72, 2), (2, 8, 1))
+
+
+def check(kv_format: str, s_q: int, h_q: int, h_kv: int) -> int:
     rng = np.random.default_rng(0)
-    inp = make_decode_inputs(rng, b=3, s_q=2, h_q=72, h_kv=2, seqlens=np.array([700, 0, 90], np.int32),
+    inp = make_decode_inputs(rng, b=3, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=np.array([700, 0, 90], np.int32),
                              kv_format=kv_format)
     args, kwargs = inp.kernel_args()
     # num_sms=16 -> several partitions, so the 700-token sequence is split and combined.
-    meta = fm.get_mla_metadata(args[3], 2 * 72 // 2, 2, num_sms=16)
+    meta = fm.get_mla_metadata(args[3], s_q * h_q // h_kv, h_kv, num_sms=16)
     out, lse = fm.flash_mla_with_kvcache(*args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=True,
                                          implementation="kernel", **kwargs)
     ref_out, ref_lse = fm.flash_mla_with_kvcache(*args, softmax_scale=SOFTMAX_SCALE, causal=True,
@@ -62,7 +68,8 @@ def check(kv_format: str) -> int:
     rel = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
     max_abs, max_rel = FORMATS[kv_format]
     ok = ok and (max_abs is None or err < max_abs) and (max_rel is None or rel < max_rel)
-    print(f"gpu_sanitize [{kv_format}]: splits={np.asarray(meta.num_splits).tolist()} max|out-ref|={err:.3e} "
+    print(f"gpu_sanitize [{kv_format}, s_q {s_q}, h_q {h_q}, h_kv {h_kv}]: "
+          f"splits={np.asarray(meta.num_splits).tolist()} max|out-ref|={err:.3e} "
           f"rel-L2={rel:.3e} ok={ok}")
     return 0 if ok else 1
 

@@ -29,3 +29,8 @@ def test_transpose_v(wg, valid):
 @pytest.mark.parametrize("tokens_per_wg", [64, 32])  # fp8_per_tensor (page owner), fp8_ds_mla (each WG half)
 def test_store_p(tokens_per_wg):
     emu.run_store_p(tokens_per_wg, np.random.default_rng(tokens_per_wg))
+
+
+@pytest.mark.parametrize("valid", [64, 100, 37, 33, 1, 0])
+def test_narrow_v_fragments_and_p_store(valid):
+    emu.run_narrow(valid, np.random.default_rng(valid))

@@ -1,5 +1,5 @@
 // The fp8_ds_mla consumer (Tr::kScaleGroups): per-page token split, FP8 WGMMAs with per-group scales.
-// Member definitions of SplitKvMlaKernel<kFormat> (splitkv_mla.cuh), which
+// Member definitions of SplitKvMlaKernel<kFormat, kNarrow> (splitkv_mla.cuh), which
 // includes this file after the class; not a standalone header.
 #pragma once
 
@@ -19,9 +19,9 @@ namespace jax_flash_mla::sm90 {
 // = 64 rows x 4 groups: thread (row, g) = (ctid / 4, ctid % 4) loads its 256
 // NoPE bytes and 16 RoPE channels; the quad of a row reduces amax. Rows past
 // q_rows_per_head_k are zeros (scale 1); their results are never stored.
-template <config::KvFormat kFormat>
-__device__ void SplitKvMlaKernel<kFormat>::load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k,
-                                                    int m_block, int ctid) {
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams& p, Plan& plan, int batch,
+                                                             int head_k, int m_block, int ctid) {
   using namespace cute;
   static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
   static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
@@ -102,14 +102,55 @@ __device__ void SplitKvMlaKernel<kFormat>::load_q_ds(const DecodeParams& p, Plan
 // Shared-window address of the four fp32 scales of token t in a K slot. The
 // scale slab is 64-byte swizzled like the others: the 16-byte unit of row t
 // is unit 0 XOR ((t >> 1) & 3).
-template <config::KvFormat kFormat>
-__device__ uint32_t SplitKvMlaKernel<kFormat>::ds_scale_addr(uint32_t slot_base, int t) {
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ uint32_t SplitKvMlaKernel<kFormat, kNarrow>::ds_scale_addr(uint32_t slot_base, int t) {
   return slot_base + uint32_t(Tr::kScaleSlab * Tr::kSlabBytes + t * 64 + (((t >> 1) & 3) << 4));
 }
 
-template <config::KvFormat kFormat>
-__device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
-                                                      int head_k, int m_block, int wg, int tid) {
+// Slots past the chunk may hold NaN scales: a token's are loaded only if it
+// is valid (P would compute 0 * NaN). The page maximum: two tokens per lane
+// and one warp-wide integer max (REDUX) per group, since positive floats order
+// as their bit patterns (instead of five shuffle + max steps); negative or NaN
+// scales (not written by the quantizer) count as 0, and a group without any
+// gets 1 (scales are positive powers of two; guard anyway).
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ float4 SplitKvMlaKernel<kFormat, kNarrow>::ds_token_scales(uint32_t slot_base, int t, int valid) {
+  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+  asm volatile(
+      "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
+      " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
+      : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
+      : "r"(t), "r"(valid), "r"(ds_scale_addr(slot_base, t))
+      : "memory");
+  return x;
+}
+
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::ds_page_scale_max(uint32_t slot_base, int lane, int valid,
+                                                                     float (&n)[4]) {
+  float4 s0, s1;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(s0.x), "=f"(s0.y), "=f"(s0.z), "=f"(s0.w)
+               : "r"(ds_scale_addr(slot_base, lane))
+               : "memory");
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(s1.x), "=f"(s1.y), "=f"(s1.z), "=f"(s1.w)
+               : "r"(ds_scale_addr(slot_base, lane + 32))
+               : "memory");
+  const bool ok0 = lane < valid, ok1 = lane + 32 < valid;
+  const float mine[4][2] = {{s0.x, s1.x}, {s0.y, s1.y}, {s0.z, s1.z}, {s0.w, s1.w}};
+  CUTE_UNROLL
+  for (int g = 0; g < 4; ++g) {
+    auto bits = [](bool ok, float x) { return ok && x > 0.f ? __float_as_uint(x) : 0u; };
+    const uint32_t m = __reduce_max_sync(0xffffffffu, max(bits(ok0, mine[g][0]), bits(ok1, mine[g][1])));
+    n[g] = m != 0u ? __uint_as_float(m) : 1.f;
+  }
+}
+
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArgs& args, Plan& plan,
+                                                               const SchedMeta& meta, int head_k, int m_block, int wg,
+                                                               int tid) {
   using namespace cute;
   using Rope = typename Tr::ElementRope;
   constexpr int kGroups = Tr::kNumGroups;
@@ -232,31 +273,10 @@ __device__ void SplitKvMlaKernel<kFormat>::consumer_ds(const SplitKvArgs& args, 
       issue_group(tSrT1, 1);  // under the scale loads below and group 0's promotion
 
       // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
-      // Every warp reduces all 64 tokens (two per lane) on its own, so all
-      // agree on the running N_g = max(N_g, n_g) and on how much O_g shrinks.
+      // Every warp reduces all 64 tokens on its own, so all agree on the
+      // running N_g = max(N_g, n_g) and on how much O_g shrinks.
       float n[kGroups];
-      {
-        float4 s0, s1;
-        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=f"(s0.x), "=f"(s0.y), "=f"(s0.z), "=f"(s0.w)
-                     : "r"(ds_scale_addr(slot, lane))
-                     : "memory");
-        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=f"(s1.x), "=f"(s1.y), "=f"(s1.z), "=f"(s1.w)
-                     : "r"(ds_scale_addr(slot, lane + 32))
-                     : "memory");
-        const bool ok0 = lane < valid, ok1 = lane + 32 < valid;
-        const float mine[kGroups][2] = {{s0.x, s1.x}, {s0.y, s1.y}, {s0.z, s1.z}, {s0.w, s1.w}};
-        CUTE_UNROLL
-        for (int g = 0; g < kGroups; ++g) {
-          // Positive floats order as their bit patterns: one warp-wide integer
-          // max (REDUX) instead of five shuffle + max steps. Negative or NaN
-          // scales (not written by the quantizer) count as 0.
-          auto bits = [](bool ok, float x) { return ok && x > 0.f ? __float_as_uint(x) : 0u; };
-          const uint32_t m = __reduce_max_sync(0xffffffffu, max(bits(ok0, mine[g][0]), bits(ok1, mine[g][1])));
-          n[g] = m != 0u ? __uint_as_float(m) : 1.f;  // scales are positive powers of two; guard anyway
-        }
-      }
+      ds_page_scale_max(slot, lane, valid, n);
       // k_scale[t_j, g] of this thread's 8 tokens (value v of the fragment is
       // token j = token_of(v), at offset token_offset(j) from tok_first), one
       // 16-byte load per token, 0 past the chunk (slots there may hold NaN:

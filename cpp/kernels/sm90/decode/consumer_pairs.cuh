@@ -1,5 +1,5 @@
 // The bf16 / fp8_per_tensor consumer: page pairs split between the two consumer warpgroups.
-// Member definitions of SplitKvMlaKernel<kFormat> (splitkv_mla.cuh), which
+// Member definitions of SplitKvMlaKernel<kFormat, kNarrow> (splitkv_mla.cuh), which
 // includes this file after the class; not a standalone header.
 #pragma once
 
@@ -25,9 +25,10 @@ namespace jax_flash_mla::sm90 {
 // WG w hands back part w of both slots (the left part holds V_L, the
 // right one V_R and RoPE); the other WG's reads of that part (its S) have
 // retired before the pair's ready barrier it passed.
-template <config::KvFormat kFormat>
-__device__ void SplitKvMlaKernel<kFormat>::consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
-                                                   int head_k, int m_block, int wg, int tid) {
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& args, Plan& plan,
+                                                            const SchedMeta& meta, int head_k, int m_block, int wg,
+                                                            int tid) {
   using namespace cute;
   const DecodeParams& p = args.params;
   typename Tr::TiledMmaQK mma_qk;

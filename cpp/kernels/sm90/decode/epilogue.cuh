@@ -1,5 +1,5 @@
 // The epilogue of both consumers: normalization and the writes of a chunk's result.
-// Member definitions of SplitKvMlaKernel<kFormat> (splitkv_mla.cuh), which
+// Member definitions of SplitKvMlaKernel<kFormat, kNarrow> (splitkv_mla.cuh), which
 // includes this file after the class; not a standalone header.
 #pragma once
 
@@ -9,12 +9,13 @@ namespace jax_flash_mla::sm90 {
 // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
 // `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
 // multiplies the output, in partials alike.
-template <config::KvFormat kFormat>
+template <config::KvFormat kFormat, bool kNarrow>
 template <class FragO, class CoordO>
-__device__ void SplitKvMlaKernel<kFormat>::epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k,
-                                                   int m_block, int wg, int tid, const OnlineSoftmaxState& softmax,
-                                                   FragO& tOrO, const CoordO& tOcO, const int (&rows)[2],
-                                                   float scale, float out_scale) {
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams& p, Plan& plan, const Chunk& c,
+                                                            int head_k, int m_block, int wg, int tid,
+                                                            const OnlineSoftmaxState& softmax, FragO& tOrO,
+                                                            const CoordO& tOcO, const int (&rows)[2], float scale,
+                                                            float out_scale) {
   using namespace cute;
   const int lane = tid % 32;
   float sum[2] = {quad_allreduce_sum(softmax.sum[0]), quad_allreduce_sum(softmax.sum[1])};

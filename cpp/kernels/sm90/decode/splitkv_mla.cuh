@@ -12,7 +12,10 @@
 //                               pages into its half of O's 512 columns.
 //                               fp8_ds_mla (consumer_ds): each WG computes S on
 //                               half of every page's tokens, meeting the other
-//                               at kMaxReady / kPReady per page;
+//                               at kMaxReady / kPReady per page. With <= 16
+//                               query rows, the FP8 formats run kNarrow
+//                               (consumer_narrow): S^T and O^T with tokens /
+//                               channels as M, the WGs on alternate pages;
 //   warps 8-11 (WG2)            producer: one lane walks the same chunks and
 //                               streams K pages by TMA into a kNumStages-slot ring; the
 //                               warpgroup gives its registers to the consumers.
@@ -36,7 +39,8 @@
 //
 // Files: this one holds the class (producer, Q load, the per-page helpers both
 // consumers share, run), the __global__ kernel and the host launcher; the long
-// members live in consumer_pairs.cuh, consumer_ds.cuh and epilogue.cuh, and
+// members live in consumer_pairs.cuh, consumer_ds.cuh, consumer_narrow.cuh and
+// epilogue.cuh, and
 // the FP8 shared-memory lane mappings in fp8_smem.h.
 #pragma once
 
@@ -109,14 +113,26 @@ __device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Sche
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) f(make_chunk(p, meta, b));
 }
 
-template <config::KvFormat kFormat>
+// kNarrow: the few-query-rows variant (consumer_narrow.cuh), on the format's
+// NarrowTraits (its own shared-memory plan and stage count).
+template <config::KvFormat kFormat, bool kNarrow = false>
 struct SplitKvMlaKernel {
-  using Tr = Traits<kFormat>;
+  using Tr = std::conditional_t<kNarrow, NarrowTraits<kFormat>, Traits<kFormat>>;
   using Element = typename Tr::Element;
   using Plan = typename Tr::SharedMemoryPlan;
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
+
+  // k_full per stage: one set for both consumer WGs, or in the narrow plan
+  // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
+  __device__ static auto& full_barriers(Plan& plan, int owner) {
+    if constexpr (kNarrow) {
+      return plan.k_full[owner];
+    } else {
+      return plan.k_full;
+    }
+  }
 
   // ---------------------------------------------------------------- producer
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
@@ -129,14 +145,16 @@ struct SplitKvMlaKernel {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
         const int block = table[page];
+        // Narrow: the WG that takes the page (alternate pages of the chunk) has its own k_full set.
+        auto& full = full_barriers(plan, (page - c.first_page()) % decode_cfg::kNumConsumerWGs)[stage];
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
-          load_ds_page<Tr>(&args.k_map, &plan.k_full[stage], plan.k[stage], head_k, block);
+          load_ds_page<Tr>(&args.k_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it.
           for (int part = 0; part < 2; ++part) {
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
-            load_kv_page_part<Tr>(&args.k_map, &plan.k_full[stage][part], plan.k[stage], head_k, block, part);
+            load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
       }
@@ -229,8 +247,21 @@ struct SplitKvMlaKernel {
   // address in a slot, and the per-page split consumer.
   __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid);
   __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t);
+  // The four scales of token t (zeros for t >= valid), and the page's largest
+  // scale per group over its first `valid` tokens (every warp reduces all 64).
+  __device__ static float4 ds_token_scales(uint32_t slot_base, int t, int valid);
+  __device__ static void ds_page_scale_max(uint32_t slot_base, int lane, int valid, float (&n)[4]);
   __device__ static void consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
                                      int m_block, int wg, int tid);
+  // FP8 formats with at most Tr::kNarrowRows query rows per KV head
+  // (consumer_narrow.cuh, on NarrowTraits): transposed WGMMAs, one page per
+  // WG, the two WGs merged at the chunk's end by epilogue_narrow.
+  __device__ static void consumer_narrow(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
+                                         int wg, int tid);
+  template <class FragO>
+  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int wg,
+                                         int tid, bool has_pages, const float (&m_ref)[4], const float (&l_part)[4],
+                                         FragO& tOrO, float logit_scale, float scale_log2, float out_scale);
   // Normalizes O and writes out / lse or the split partials (epilogue.cuh).
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
@@ -246,12 +277,18 @@ struct SplitKvMlaKernel {
 
     if (threadIdx.x == 0) {
       for (int s = 0; s < Tr::kNumStages; ++s) {
+        for (int owner = 0; owner < (kNarrow ? decode_cfg::kNumConsumerWGs : 1); ++owner) {
+          if constexpr (Tr::kScaleGroups) {
+            mbarrier_init(&full_barriers(plan, owner)[s], 1);
+          } else {
+            for (int part = 0; part < 2; ++part) mbarrier_init(&full_barriers(plan, owner)[s][part], 1);
+          }
+        }
         if constexpr (Tr::kScaleGroups) {
-          mbarrier_init(&plan.k_full[s], 1);
-          mbarrier_init(&plan.k_empty[s], kConsumers / 32);
+          // Every consumer warp reads every page; a narrow page has one WG.
+          mbarrier_init(&plan.k_empty[s], kNarrow ? 4 : kConsumers / 32);
         } else {
           for (int part = 0; part < 2; ++part) {
-            mbarrier_init(&plan.k_full[s][part], 1);
             mbarrier_init(&plan.k_empty[s][part], 4);  // the 4 warps of the part's warpgroup
           }
         }
@@ -279,7 +316,9 @@ struct SplitKvMlaKernel {
 
     if (warp < kConsumers / 32) {
       cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
-      if constexpr (Tr::kScaleGroups) {
+      if constexpr (kNarrow) {
+        consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
+      } else if constexpr (Tr::kScaleGroups) {
         consumer_ds(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
       } else {
         // The warpgroup index through a shuffle, so that ptxas knows it is
@@ -299,16 +338,18 @@ struct SplitKvMlaKernel {
 // The member functions too long to read inside the class.
 #include "kernels/sm90/decode/consumer_pairs.cuh"
 #include "kernels/sm90/decode/consumer_ds.cuh"
+#include "kernels/sm90/decode/consumer_narrow.cuh"
 #include "kernels/sm90/decode/epilogue.cuh"
 
 namespace jax_flash_mla::sm90 {
 
-template <config::KvFormat kFormat>
+// kNarrow: the few-query-rows consumer (Traits::kNarrowRows > 0 only).
+template <config::KvFormat kFormat, bool kNarrow>
 __global__ void __launch_bounds__(decode_cfg::kNumThreads, 1)
     splitkv_mla_kernel(const __grid_constant__ SplitKvArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  SplitKvMlaKernel<kFormat>::run(args, smem_raw);
+  SplitKvMlaKernel<kFormat, kNarrow>::run(args, smem_raw);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for a GPU without sm_90a WGMMA / TMA
 #endif
@@ -376,12 +417,19 @@ void run_splitkv_mla(const DecodeParams& params) {
   args.params = params;
   args.k_map = make_k_tensor_map<kFormat>(params);
 
-  auto kernel = &splitkv_mla_kernel<kFormat>;
-  constexpr int kSmem = Tr::kSmemBytes;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "splitkv_mla",
-             "cudaFuncSetAttribute");
-  launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
-                  dim3(decode_cfg::kNumThreads), kSmem, params.stream, "splitkv_mla", args);
+  auto launch = [&](auto kernel, int smem_bytes) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",
+               "cudaFuncSetAttribute");
+    launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
+                    dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
+  };
+  if constexpr (Tr::kNarrowRows > 0) {
+    if (params.q_rows_per_head_k <= Tr::kNarrowRows) {
+      launch(&splitkv_mla_kernel<kFormat, true>, NarrowTraits<kFormat>::kSmemBytes);
+      return;
+    }
+  }
+  launch(&splitkv_mla_kernel<kFormat, false>, Tr::kSmemBytes);
 }
 
 }  // namespace jax_flash_mla::sm90

@@ -134,6 +134,9 @@ struct Traits<config::KvFormat::kBf16> {
   // One P tile: WG0 writes P_A for WG1; WG1 overwrites it with P_B for WG0
   // once its read of P_A retired (each WG reads its own P from registers).
   static constexpr int kNumPTiles = 1;
+  // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
+  // on M1 against 324-331 us here (session 8), the page loads bound it either way.
+  static constexpr int kNarrowRows = 0;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
@@ -218,6 +221,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
+  // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
+  static constexpr int kNarrowRows = 16;
 
   static constexpr int kQElems = decode_cfg::kBlockM * decode_cfg::kHeadDimQK;
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
@@ -295,6 +300,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
+  // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
+  static constexpr int kNarrowRows = 16;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
   static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
@@ -357,6 +364,84 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
   static_assert(kKElems % 1024 == 0, "slots stay 1024-byte aligned");
+};
+
+// ------------------------------------------------------------------ few query rows
+// q_rows_per_head_k <= kNarrowRows (16: h_q 16 with s_q 1, or fewer heads) runs
+// consumer_narrow.cuh: S^T = K Q^T and O^T = V^T P^T with the page's tokens and
+// V's channels as the WGMMA's 64 rows and the query rows as N = 16, the two
+// consumer WGs on alternate pages. Its plan has no V^T tiles (V^T is built in
+// registers) and no 64-row P tiles; the bytes go to more K stages, which the
+// few-rows shapes need (they are bound by page loads, not by the tensor cores).
+namespace narrow_cfg {
+inline constexpr int kRows = 16;
+inline constexpr int kPtElems = kRows * decode_cfg::kBlockN;  // one P^T tile: 16 rows x 64 tokens
+// The chunk-end hand-off between the two WGs (epilogue_narrow): each gives the
+// other its O^T values of the other's 256 channels (4 m64 blocks x 8 values per
+// thread), its partial row sums per warp and its reference maxima.
+struct Exchange {
+  float o[decode_cfg::kNumConsumerWGs][32][128];  // [from WG][value][thread]
+  float l[decode_cfg::kNumConsumerWGs][4][kRows];  // [WG][warp][query row]
+  float m[decode_cfg::kNumConsumerWGs][kRows];     // [WG][query row]
+};
+}  // namespace narrow_cfg
+
+template <config::KvFormat kFormat>
+struct NarrowTraits;  // defined for the formats with Traits::kNarrowRows > 0
+
+// The WGMMAs of the transposed problem, shared by both FP8 formats.
+struct NarrowMmas {
+  // S^T (or a scale group's T^T) = K Q^T: A = the K slot, B = Q's first 16 rows, both K-major.
+  using TiledMmaS = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_SS_TN<>{}));
+  // O^T += V^T P^T: A = V^T from registers (ldmatrix.trans + PRMT), B = P^T, K-major.
+  using TiledMmaO = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_RS_TN<>{}));
+};
+
+// fp8_per_tensor: Q 36864 (64 rows as load_q writes them; 16 are read) + K 4 x
+// 36864 + P^T 2 WGs x 2 parities x 1024 + exchange 33408 + column maxima 1024
+// + zero row + barriers, plus 1 KB of alignment slack.
+template <>
+struct NarrowTraits<config::KvFormat::kFp8PerTensor> : Traits<config::KvFormat::kFp8PerTensor>, NarrowMmas {
+  static constexpr int kNumStages = 4;
+  using SmemLayoutPt = KMajorTile<KAtom, narrow_cfg::kRows, decode_cfg::kBlockN>;
+  struct SharedMemoryPlan {
+    alignas(1024) Element q[kQElems];
+    alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element p[decode_cfg::kNumConsumerWGs][2][narrow_cfg::kPtElems];  // [WG][page parity]
+    narrow_cfg::Exchange exchange;
+    float col_max[decode_cfg::kNumConsumerWGs][2][4][narrow_cfg::kRows];  // [WG][page parity][warp][query row]
+    alignas(16) Element zeros[16];  // the ldmatrix row of tokens past the chunk
+    alignas(8) uint64_t k_full[decode_cfg::kNumConsumerWGs][kNumStages][2];  // [WG taking the page][stage][part]
+    alignas(8) uint64_t k_empty[kNumStages][2];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+};
+
+// fp8_ds_mla: Q NoPE 32768 + Q RoPE 8192 + K 3 x 45056 + P^T 2 WGs x 4 groups
+// x 2 parities x 1024 + exchange 33408 + q scales 256 + column maxima 1024 +
+// zero row + barriers, plus 1 KB of alignment slack.
+template <>
+struct NarrowTraits<config::KvFormat::kFp8DsMla> : Traits<config::KvFormat::kFp8DsMla>, NarrowMmas {
+  static constexpr int kNumStages = 3;
+  using SmemLayoutPt = KMajorTile<KAtom, narrow_cfg::kRows, decode_cfg::kBlockN>;
+  // The RoPE part of S^T: bf16, A = the slot's RoPE slabs, B = Q's RoPE rows.
+  using TiledMmaRope = decltype(cute::make_tiled_mma(
+      cute::SM90_64x16x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+  struct SharedMemoryPlan {
+    alignas(1024) Element q[kQElems];
+    alignas(1024) ElementRope q_rope[kQRopeElems];
+    alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element p[decode_cfg::kNumConsumerWGs][kNumGroups][2][narrow_cfg::kPtElems];  // [WG][g][parity]
+    narrow_cfg::Exchange exchange;
+    float q_scale[decode_cfg::kBlockM];
+    float col_max[decode_cfg::kNumConsumerWGs][2][4][narrow_cfg::kRows];
+    alignas(16) Element zeros[16];
+    alignas(8) uint64_t k_full[decode_cfg::kNumConsumerWGs][kNumStages];  // [WG taking the page][stage]
+    alignas(8) uint64_t k_empty[kNumStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
 };
 
 }  // namespace jax_flash_mla::sm90
