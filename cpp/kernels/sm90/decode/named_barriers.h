@@ -18,14 +18,15 @@ enum class NamedBarriers : int {
   kSumReady = 4,  // both warpgroups published their partial row sums
   // bf16 / fp8_per_tensor page pairs (both warpgroups sync: compute-sanitizer's racecheck
   // reported the P and row-max hand-offs as hazards with a bar.arrive on the publishing side).
-  kPageAReady = 5,  // WG0 published page A's P and running row max (stale V rows of A zeroed)
-  kPageBReady = 6,  // WG1 published page B's P and running row max (stale V rows of B zeroed)
-  // FP8 formats with few query rows (consumer_narrow): per-WG barriers (128 threads), one per WG,
-  kNarrowMax0 = 7,  // and 8: the WG's warps published this page's column maxima
-  kNarrowP0 = 9,    // and 10: the WG's P^T tile is in shared memory
-  kExchangeRead = 11,  // and both WGs: the chunk-end exchange has been read (epilogue_narrow)
   // Both WGs take part in every page hand-off, so these also order each WG's
   // own writes (P, V^T, zeroed rows) before its WGMMAs read them.
+  kPageAReady = 5,  // WG0 published page A's P and running row max (stale V rows of A zeroed)
+  kPageBReady = 6,  // WG1 published page B's P and running row max (stale V rows of B zeroed)
+  // FP8 formats with few query rows (consumer_narrow): kNarrowMax0 / kNarrowP0 + wg
+  // are per-WG barriers (128 threads), kExchangeRead takes both WGs.
+  kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
+  kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
+  kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {
