@@ -131,16 +131,21 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
     float norm[4] = {0.f, 0.f, 0.f, 0.f};
     const int page_begin = c.first_page();
     const int num_pages = c.end_page() - page_begin;
-    // fp8_ds_mla: T_g^T for the four groups side by side, (MMA, 1, 4) as an N = 64 tile.
-    Tensor tSrT = partition_fragment_C(mma_s, Shape<Int<kBlockN>, Int<kRows * 4>>{});
-    // Issues S^T of the chunk's page k (fp8_ds_mla: RoPE into S^T, group g into T_g^T) as one batch once its
-    // fill landed.
-    auto issue_s = [&](int k) {
-      const int stage = (it + k) % Tr::kNumStages;
+    for (int k = wg; k < num_pages; k += decode_cfg::kNumConsumerWGs) {
+      const int i = it + k;
+      const int stage = i % Tr::kNumStages;
       const uint32_t phase = (full_phase_bits >> stage) & 1u;
       full_phase_bits ^= 1u << stage;
+      const int parity = (k / decode_cfg::kNumConsumerWGs) & 1;
+      const int page = page_begin + k;
+      const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
+      const uint32_t slot = smem_addr(plan.k[stage]);
+
+      // ---- S^T (fp8_ds_mla: RoPE into S^T, group g into T_g^T), one batch.
       Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
       Tensor tSrK = thr_s.partition_fragment_A(sK);  // (MMA, 1, k-steps)
+      // fp8_ds_mla: T_g^T for the four groups side by side, (MMA, 1, 4) as an N = 64 tile.
+      Tensor tSrT = partition_fragment_C(mma_s, Shape<Int<kBlockN>, Int<kRows * 4>>{});
       if constexpr (kGroups) {
         using Rope = typename Tr::ElementRope;
         typename Tr::TiledMmaRope mma_rope;
@@ -176,31 +181,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         wgmma_k_steps<kSteps - kLeftSteps>(mma_s, tSrK, tSrQ, tSrS, true, kLeftSteps);
         warpgroup_commit_batch();
       }
-    };
-    // fp8_per_tensor pipelines the WG's pages: S^T of its next page goes out right behind this page's P V, so
-    // the fill wait and the issue leave the page's serial chain. (fp8_ds_mla's 40 S^T / T_g^T accumulators in
-    // flight across the loop made ptxas spill 448 bytes: it issues each page's S^T at the page's start.)
-    constexpr bool kPipelined = !kGroups;
-    if (kPipelined && wg < num_pages) issue_s(wg);
-    for (int k = wg; k < num_pages; k += decode_cfg::kNumConsumerWGs) {
-      const int i = it + k;
-      const int stage = i % Tr::kNumStages;
-      const int parity = (k / decode_cfg::kNumConsumerWGs) & 1;
-      const int page = page_begin + k;
-      const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
-      const uint32_t slot = smem_addr(plan.k[stage]);
 
-      if constexpr (kPipelined) {
-        // The WG's previous P V retired (this page's S^T may still run): V^T's registers and O^T are free.
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tOrO);
-        warpgroup_fence_operand(tOrVw);
-      } else {
-        issue_s(k);  // the previous P V retired at the previous page's end
-      }
-
-      // ---- V^T fragments while S^T runs. Tokens past the chunk read the
-      // zero row: their slots may hold NaN, and 0 * NaN = NaN in P V.
+      // ---- V^T fragments while S^T runs (the last page's O^T WGMMAs,
+      // which read these registers, retired at its end). Tokens past the chunk
+      // read the zero row: their slots may hold NaN, and 0 * NaN = NaN in P V.
       CUTE_UNROLL
       for (int ks = 0; ks < 2; ++ks) {
         const int token = 32 * ks + lane;  // ldmatrix.x4: lane i addresses row i % 8 of matrix i / 8
@@ -371,18 +355,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         }
       }
       warpgroup_commit_batch();
-      if constexpr (kPipelined) {
-        if (k + decode_cfg::kNumConsumerWGs < num_pages) issue_s(k + decode_cfg::kNumConsumerWGs);
-      } else {
-        // Retired before the next page rebuilds tOrV.
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        warpgroup_fence_operand(tOrVw);
-      }
-    }
-    if constexpr (kPipelined) {
+      // Retired before the next page rebuilds tOrV (ptxas serializes WGMMAs
+      // around a wait_group carried across the loop, C7514).
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrVw);
     }
     it += num_pages;
     if constexpr (kGroups) {
