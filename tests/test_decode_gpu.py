@@ -10,8 +10,8 @@ together with: padded row tiles (rows not a multiple of 64: 1, 3, 9, 16, 63, 126
 head (126 x 2 = 252 rows), sequences split over many partitions (s_k 4096 with small b) and single-split ones,
 zero-length sequences, causal rows that see no key (len < s_q), pages with a partial tail, shuffled block tables with
 garbage (2147480000) past the used pages, and NaN in every unused cache slot (tests/oracle.py). Shapes with at most
-16 query rows per KV head (h_q 1 / 3 / 9 / 16 here, determinism and the other data sets at h_q 16) are the ones a
-few-rows kernel would run.
+16 query rows per KV head (h_q 1 / 3 / 9 / 16 here, determinism and the other data sets at h_q 16) run the FP8
+formats' few-rows kernel (consumer_narrow.cuh); bf16 runs its 64-row kernel on every shape.
 
 Tolerances (bf16 kernel, fp32 reference): the kernel rounds P to bf16 before P·V and the output to bf16; both give
 relative errors of ~2^-9 per element that average out, so the output's rel-L2 error is ~1e-3 and the cosine
@@ -127,8 +127,8 @@ CASES = [
     (64, 1, 64, 2, 140, False),
     (1, 4, 128, 1, 4096, True),  # one long sequence over every partition
     (2, 1, 16, 1, [0, 0], False),  # nothing to attend at all
-    # M1's rows with its long sequences: ~31 pages per partition, where the few-rows fp8_ds_mla kernel of
-    # experiment narrow failed (docs/PERF.md, session 8) while every shorter case passed.
+    # M1's rows with its long sequences: ~31 pages per partition, the long chunks where the few-rows kernels'
+    # per-WG k_full sets matter (a shared set let a wait pass on a stale phase: docs/DESIGN.md, "Few query rows").
     (32, 1, 16, 1, 8192, False),
 ]
 
