@@ -40,8 +40,7 @@
 // Files: this one holds the class (producer, Q load, the per-page helpers both
 // consumers share, run), the __global__ kernel and the host launcher; the long
 // members live in consumer_pairs.cuh, consumer_ds.cuh, consumer_narrow.cuh and
-// epilogue.cuh, and
-// the FP8 shared-memory lane mappings in fp8_smem.h.
+// epilogue.cuh, and the FP8 shared-memory lane mappings in fp8_smem.h.
 #pragma once
 
 #include <cmath>
