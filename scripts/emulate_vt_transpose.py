@@ -211,9 +211,10 @@ def run_narrow(valid, rng):
                         row, _ = c_fragment_coord(warp, lane, 2 * half)
                         assert 64 * mb + 16 * warp + 2 * (row % 8) + (row % 16) // 8 == \
                             64 * mb + 16 * warp + 2 * (lane // 4) + half
-    # consumer_narrow's own formulas for the m64n16 accumulators agree with CuTe's CLayout_64x16: value v of
-    # (warp, lane) is token / channel row token_of(v) and query row col_of(col_index(v)); value_of inverts
-    # col_index per row half; the O^T rescale's col_index(v + 8 block) and group v // 16 see block-local values.
+    # consumer_narrow's formulas (NarrowFragment, token_of) for the m64n16 accumulators agree with CuTe's
+    # CLayout_64x16: value v of (warp, lane) is token / channel row token_of(v) and query row
+    # col_of(col_index(v)); value_of inverts col_index per row half; the O^T rescale's col_index(v + 8 block)
+    # and group v // 16 see block-local values.
     col_index = lambda v: (v & 1) + 2 * ((v >> 2) & 1)
     value_of = lambda k4, half: (k4 & 1) + 4 * (k4 >> 1) + 2 * half
     for warp in range(4):

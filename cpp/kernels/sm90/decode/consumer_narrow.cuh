@@ -20,8 +20,8 @@ namespace jax_flash_mla::sm90 {
 //                    8 lanes x 2 values of each of the 4 warps (3 xor-shuffles,
 //                    then one shared-memory exchange per WG and page); P goes
 //                    to shared memory as e4m3 bytes, 16 rows x 64 tokens
-//                    (fp8_ds_mla: one tile per group, scaled by k_scale * 16 / N_g
-//                    as in consumer_ds).
+//                    (fp8_ds_mla: one tile per group, scaled by k_scale *
+//                    kPNormalizer / N_g as in consumer_ds).
 //   O^T += V^T P^T   m64 (channels) n16, 8 channel blocks: 2 k-steps of RS
 //                    WGMMA, V^T the A operand from registers, built straight
 //                    from the K slot by ldmatrix.trans + PRMT (no V^T tile, no
@@ -40,6 +40,17 @@ namespace jax_flash_mla::sm90 {
 // P^T's columns follow p_column too (P V sums over tokens, so any order both
 // agree on works). scripts/emulate_vt_transpose.py (run_narrow) replays these
 // lane mappings on the host.
+// Value v of an m64n16 accumulator fragment (CuTe's CLayout_64x16): row
+// (token or channel) half (v >> 1) & 1, column (query row)
+// 2 (lane % 4) + (v & 1) + 8 (v >> 2). A thread's four query rows go by the
+// column index k4 = (v & 1) + 2 (v >> 2); scripts/emulate_vt_transpose.py
+// (run_narrow) checks these against CuTe's layout.
+struct NarrowFragment {
+  __device__ __forceinline__ static int column(int lane, int k4) { return 2 * (lane % 4) + (k4 & 1) + 8 * (k4 >> 1); }
+  __device__ __forceinline__ static int column_index(int v) { return (v & 1) + 2 * ((v >> 2) & 1); }
+  __device__ __forceinline__ static int value(int k4, int half) { return (k4 & 1) + 4 * (k4 >> 1) + 2 * half; }
+};
+
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitKvArgs& args, Plan& plan,
                                                                    const SchedMeta& meta, int head_k, int wg,
@@ -81,12 +92,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<decode_cfg::kHeadDimV>, Int<kRows>>{});  // (MMA, 8, 1)
   static_assert(size(tSrS) == 8 && size(tOrO) == 8 * kChannelBlocks, "m64n16 fragments: 8 values per block");
 
-  // Value v of an m64n16 accumulator: row (token or channel) half (v >> 1) & 1,
-  // column (query row) 2 q + (v & 1) + 8 (v >> 2). This thread's four query
-  // rows, by column index k4 = (v & 1) + 2 (v >> 2):
-  auto col_of = [&](int k4) { return 2 * (lane % 4) + (k4 & 1) + 8 * (k4 >> 1); };
-  auto col_index = [](int v) { return (v & 1) + 2 * ((v >> 2) & 1); };
-  auto value_of = [](int k4, int half) { return (k4 & 1) + 4 * (k4 >> 1) + 2 * half; };
+  // This thread's four query rows (NarrowFragment).
+  auto col_of = [&](int k4) { return NarrowFragment::column(lane, k4); };
+  auto col_index = [](int v) { return NarrowFragment::column_index(v); };
+  auto value_of = [](int k4, int half) { return NarrowFragment::value(k4, half); };
   // Token of value v within the page, and its P^T column (p_column order).
   auto token_of = [&](int v) { return 16 * warp + lane / 4 + 8 * ((v >> 1) & 1); };
   auto pt_column = [](int t) {
@@ -278,17 +287,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
           for (int w = 0; w < 4; ++w) page_max[k4] = fmaxf(page_max[k4], xmax[w][col_of(k4)]);
         }
       }
-      // ---- Lazy online softmax per column (softmax.h's rule: the reference
-      // moves only when a column's max exceeds it by more than 2^kLazyRescaleLog2).
+      // ---- Lazy online softmax per column (softmax.h's move_reference).
       float o_scale[4], base[4];
       bool rescale = false;
       CUTE_UNROLL
       for (int k4 = 0; k4 < 4; ++k4) {
-        float new_max = fmaxf(m_ref[k4], page_max[k4]);
-        if ((new_max - m_ref[k4]) * scale_log2 <= float(Tr::kLazyRescaleLog2)) new_max = m_ref[k4];
-        o_scale[k4] = new_max == -INFINITY ? 1.f : exp2f((m_ref[k4] - new_max) * scale_log2);
-        base[k4] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-        m_ref[k4] = new_max;
+        o_scale[k4] = move_reference<Tr::kLazyRescaleLog2>(m_ref[k4], page_max[k4], scale_log2, base[k4]);
         l_part[k4] *= o_scale[k4];
         rescale |= o_scale[k4] != 1.f;
       }
@@ -388,7 +392,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
                                                                    float out_scale) {
   constexpr int kOwnBlocks = decode_cfg::kHeadDimV / 64 / decode_cfg::kNumConsumerWGs;  // 4 of the 8 m64 blocks
   const int warp = tid / 32, lane = tid % 32;
-  auto col_of = [&](int k4) { return 2 * (lane % 4) + (k4 & 1) + 8 * (k4 >> 1); };
+  auto col_of = [&](int k4) { return NarrowFragment::column(lane, k4); };
   narrow_cfg::Exchange& x = plan.exchange;
   static_assert(sizeof(x.o[0]) / sizeof(x.o[0][0]) == 8 * kOwnBlocks, "a thread gives 8 values per block");
   CUTE_UNROLL
@@ -449,7 +453,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
       float o[2];
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {
-        const int v = (k4 & 1) + 4 * (k4 >> 1) + 2 * h;
+        const int v = NarrowFragment::value(k4, h);
         // Select, not multiply: a WG without pages never wrote its O^T.
         const float own = a_own[k4] > 0.f ? own_value(j, v) * a_own[k4] : 0.f;
         const float other = a_other[k4] > 0.f ? x.o[1 - wg][8 * j + v][tid] * a_other[k4] : 0.f;

@@ -44,6 +44,26 @@ __device__ __forceinline__ void row_max(const Frag& s, float (&m)[2]) {
   m[1] = quad_allreduce_max(m[1]);
 }
 
+// Moves a running reference maximum `ref` (raw-score units, -inf until a
+// visible key was seen) for a page whose maximum is `page_max`; returns the
+// factor by which what was accumulated against the old reference shrinks and
+// sets `base`, the new reference in exp2 units (p = exp2(s * scale_log2 - base)).
+// kLazyRescaleLog2 > 0: the reference moves only when the page's maximum
+// exceeds it by more than 2^kLazyRescaleLog2 in exp2 units, so
+// p <= 2^kLazyRescaleLog2 and the rescale of the output accumulator becomes
+// rare. lse and the output are exact either way: they use the same reference.
+template <int kLazyRescaleLog2>
+__device__ __forceinline__ float move_reference(float& ref, float page_max, float scale_log2, float& base) {
+  float new_max = fmaxf(ref, page_max);
+  // (From -inf the difference is +inf: the first key always sets it.)
+  if (kLazyRescaleLog2 > 0 && (new_max - ref) * scale_log2 <= float(kLazyRescaleLog2)) new_max = ref;
+  // exp2(-inf) = 0 when the old max was -inf (the accumulator is still 0).
+  const float o_scale = new_max == -INFINITY ? 1.f : exp2f((ref - new_max) * scale_log2);
+  base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+  ref = new_max;
+  return o_scale;
+}
+
 // Running statistics of the two rows a thread holds. `sum` is this thread's
 // partial (its own columns only); it is reduced across the quad, and across
 // warpgroups, once at the end of a chunk.
@@ -58,26 +78,17 @@ struct OnlineSoftmaxState {
 
   // Folds in a page whose row maxima (over all its visible keys, both
   // warpgroups) are `page_max`. Turns `s` into probabilities in place and
-  // returns the factor by which the existing output accumulator must shrink.
-  // kLazyRescaleLog2 > 0: the reference max moves only when a row's maximum
-  // exceeds it by more than 2^kLazyRescaleLog2 in exp2 units, so
-  // p <= 2^kLazyRescaleLog2 and the O / row-sum rescale, 128 multiplies per
-  // thread, becomes rare. lse and the output are exact either way: they use
-  // the same reference. Each format picks the headroom its P type has
-  // (Traits::kLazyRescaleLog2).
+  // returns the factor by which the existing output accumulator must shrink
+  // (move_reference; with the lazy rule the O / row-sum rescale, 128
+  // multiplies per thread, becomes rare). Each format picks the headroom its
+  // P type has (Traits::kLazyRescaleLog2).
   template <int kLazyRescaleLog2 = 0, class Frag>
   __device__ __forceinline__ void update(Frag& s, const float (&page_max)[2], float scale_log2,
                                          float (&o_scale)[2]) {
     float base[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      float new_max = fmaxf(max[h], page_max[h]);
-      // (From -inf the difference is +inf: the first key always sets it.)
-      if (kLazyRescaleLog2 > 0 && (new_max - max[h]) * scale_log2 <= float(kLazyRescaleLog2)) new_max = max[h];
-      // exp2(-inf) = 0 when the old max was -inf (the accumulator is still 0).
-      o_scale[h] = new_max == -INFINITY ? 1.f : exp2f((max[h] - new_max) * scale_log2);
-      base[h] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      max[h] = new_max;
+      o_scale[h] = move_reference<kLazyRescaleLog2>(max[h], page_max[h], scale_log2, base[h]);
       sum[h] *= o_scale[h];
     }
     CUTE_UNROLL
