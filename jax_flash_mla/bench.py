@@ -23,13 +23,24 @@ barrier only, as a `depend` on a 128 MB operand would cost a pass over it; fp8 o
 math). A ceiling far above README §3's, or a time under its floor, is flagged: the loop did not do the work.
 TFLOPS count 2·s_q·Σs_k·h_q·(576 + 512) (causal: the visible keys); bytes count Σs_k·h_kv·bytes_per_token + q +
 out. The floor is max(bytes / copy bandwidth, FLOPs / GEMM rate of the format's precision).
+
+`--trace` runs each kernel case's loop once more under `jax.profiler.trace` and reports, from the profiler's (CUPTI)
+kernel records, the span of the decode's own kernels per call (splitkv_mla start to combine end: what a CUDA-event
+timing of the decode alone, as FlashMLA's benchmark does, sees) and the device's busy time per call (the loop's glue
+fusions included). The loop figure stays in the table: it is what a decode step inside a jitted program costs here.
+(combine starts early, by programmatic dependent launch, and its record includes its wait for splitkv_mla, so the
+kernels' durations are not summed.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import gzip
+import json
 import math
+import os
 import re
 import sys
 import time
@@ -77,7 +88,7 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "rotation_sets", "iters", "repeats", "us_median", "us_min", "us_max", "tflops", "gbps",
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
-               "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops")
+               "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us")
 
 
 class Timing(NamedTuple):
@@ -96,7 +107,7 @@ def _pick(x, checksum):
     return lax.dynamic_index_in_dim(x.reshape(-1), jnp.isnan(checksum).astype(jnp.int32), keepdims=False)
 
 
-def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = False) -> Timing:
+def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = False, trace_dir=None) -> Timing:
     """Device µs of one `carry = body(i, carry, args)`.
 
     `iters` of them run in one jitted fori_loop (a static trip count) whose carry is donated, so the loop state
@@ -104,7 +115,7 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
     excluded; median, min and max over `repeats` runs. `unroll`: straight-line code instead of a while loop (whose
     predicate may cost a host round trip per iteration on a GPU); only for bodies whose iterations stay apart
     through real data dependencies: unrolled, XLA drops the optimization barriers, fuses elementwise iterations
-    into one pass and merges identical ones.
+    into one pass and merges identical ones. `trace_dir`: one more run under the profiler, written there.
     """
     def loop(carry, args):
         return lax.fori_loop(0, iters, lambda i, c: body(i, c, args), carry, unroll=unroll)
@@ -117,11 +128,14 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
         start = time.perf_counter()
         carry = jax.block_until_ready(run(carry, args))
         seconds.append(time.perf_counter() - start)
+    if trace_dir:  # after the timed runs, which must not pay for the profiler
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run(carry, args))
     us = np.asarray(seconds) * 1e6 / iters
     return Timing(float(np.median(us)), float(us.min()), float(us.max()))
 
 
-def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False) -> Timing:
+def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False, trace_dir=None) -> Timing:
     """Device µs of one `step(i, checksum, *args)` (see the module docstring for the loop).
 
     `args` and the running checksum pass through an optimization barrier each iteration, so no part of the step is
@@ -132,7 +146,55 @@ def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False)
         args, checksum = lax.optimization_barrier((args, checksum))
         outputs = step(i, checksum, *args)
         return checksum + sum(_pick(x, checksum).astype(jnp.float32) for x in jax.tree.leaves(outputs))
-    return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats, unroll=unroll)
+    return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profiler traces
+
+# On a device process, CUPTI names copies, memsets, allocations and its own overhead after their type (kernels after
+# the kernel) and gives each a *_details arg (kernels: kernel_details); traces without args still have the names.
+NOT_KERNEL_NAME = re.compile(r"Memcpy|Memset|MemoryAlloc|MemoryFree|MemoryResidency|Overhead")
+NOT_KERNEL_ARGS = ("memcpy_details", "memset_details", "memalloc_details", "memfree_details",
+                   "memory_residency_details")
+NO_KERNEL_TIMES = dict(span_us=math.nan, gpu_busy_us=math.nan)
+
+
+def trace_events(trace_dir) -> list:
+    """The events of the newest Chrome trace that `jax.profiler.trace(trace_dir)` wrote."""
+    paths = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _is_kernel(event) -> bool:
+    args = event.get("args") or {}
+    return "kernel_details" in args or not (NOT_KERNEL_NAME.match(event["name"])
+                                            or any(key in args for key in NOT_KERNEL_ARGS))
+
+
+def decode_kernel_times(events, iters: int) -> dict:
+    """Device µs per call from the trace events of a loop of `iters` decode calls; NaNs without splitkv_mla launches.
+
+    span_us: median over calls from a call's splitkv_mla start to the end of its last decode kernel; gpu_busy_us: all
+    kernels of the device processes, the loop's glue included, / iters. A call is one splitkv_mla launch and the
+    first combine launch after it, if any, before the next splitkv_mla.
+    """
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and e["args"]["name"].startswith("/device:GPU")}
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e["pid"] in devices and _is_kernel(e)),
+                     key=lambda e: e["ts"])
+    calls = []  # each call's decode kernels
+    for e in kernels:
+        if "splitkv_mla" in e["name"]:
+            calls.append([e])
+        elif "combine" in e["name"] and calls and len(calls[-1]) == 1:
+            calls[-1].append(e)
+    if not calls:
+        return dict(NO_KERNEL_TIMES)
+    # Under programmatic dependent launch, combine starts before splitkv_mla ends: the span counts the overlap once.
+    return dict(span_us=float(np.median([max(e["ts"] + e["dur"] for e in call) - call[0]["ts"] for call in calls])),
+                gpu_busy_us=sum(e["dur"] for e in kernels) / iters)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,8 +376,11 @@ def result_row(shape: Shape, kv_format, path, timing: Timing, lengths, ceilings:
 
 
 def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_reference, ceilings, iters, repeats,
-                progress: Progress, seed, unroll=False):
-    """Times every (format, path) of one shape; returns CSV rows, plus rows with no_kernel=True for the table."""
+                progress: Progress, seed, unroll=False, trace_root=None):
+    """Times every (format, path) of one shape; returns CSV rows, plus rows with no_kernel=True for the table.
+
+    `trace_root`: each kernel case is also traced, into <trace_root>/<shape>_<format>, for `decode_kernel_times`.
+    """
     rng = np.random.default_rng([seed, list(SHAPES).index(shape.name)])
     lengths = sequence_lengths(shape, batch, seqlen, rng)
     # The rotation targets a GPU's L2; elsewhere one set.
@@ -337,11 +402,16 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
         paths = (["kernel"] if kv_format in usable else []) + ([] if skip_reference else ["reference"])
         by_path = {}
         for path in paths:
+            traced = trace_root and path == "kernel"
+            trace_dir = os.path.join(trace_root, f"{shape.name}_{kv_format}") if traced else None
             timing = time_per_call(decode_step(shape, kv_format, path), (q_in, tables, cache, seqlens, meta, scales),
-                                   iters=iters, repeats=repeats, unroll=unroll)
-            by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup
+                                   iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir)
+            kernel_times = decode_kernel_times(trace_events(trace_dir), iters) if trace_dir else NO_KERNEL_TIMES
+            by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup | \
+                kernel_times
             progress.case(f"{shape.name} {kv_format} {path}: {timing.median_us:.1f} us "
-                          f"({timing.min_us:.1f}-{timing.max_us:.1f})")
+                          f"({timing.min_us:.1f}-{timing.max_us:.1f})" +
+                          (f"; decode kernels' span {kernel_times['span_us']:.1f} us" if trace_dir else ""))
         if len(by_path) == 2:
             by_path["kernel"]["speedup_vs_reference"] = by_path["reference"]["us_median"] / \
                 by_path["kernel"]["us_median"]
@@ -360,19 +430,21 @@ TABLE = (("us", 10, "us_median", ".1f"), ("min", 10, "us_min", ".1f"), ("max", 1
          ("floor", 7, "floor_us", ".0f"), ("fl/us", 6, "floor_over_us", ".2f"),
          ("xref", 6, "speedup_vs_reference", ".1f"),
          ("xFlashMLA", 10, "speedup_vs_flashmla_bf16", ".2f"), ("xPR54", 7, "speedup_vs_pr54_fp8", ".2f"))
+SPAN_COLUMN = ("span", 8, "span_us", ".1f")  # with --trace, after "max"
 
 
 # A time this far under its floor means the loop did not run what it was meant to (hoisted or dead code).
 IMPLAUSIBLE_FLOOR_RATIO = 1.05
 
 
-def print_table(rows):
-    print(f"{'shape':<6}{'format':<16}{'path':<10}" + "".join(f"{h:>{w}}" for h, w, _, _ in TABLE))
+def print_table(rows, traced=False):
+    columns = TABLE[:3] + (SPAN_COLUMN,) + TABLE[3:] if traced else TABLE
+    print(f"{'shape':<6}{'format':<16}{'path':<10}" + "".join(f"{h:>{w}}" for h, w, _, _ in columns))
     for r in rows:
         if r.get("no_kernel"):
             cells = "  no kernel"
         else:
-            cells = "".join(f"{fmt(r[k], s):>{w}}" for _, w, k, s in TABLE)
+            cells = "".join(f"{fmt(r[k], s):>{w}}" for _, w, k, s in columns)
             cells += " !" if r["floor_over_us"] > IMPLAUSIBLE_FLOOR_RATIO else ""
         print(f"{r['shape']:<6}{r['format']:<16}{r['path']:<10}{cells}")
 
@@ -431,6 +503,10 @@ def main(argv=None):
                         help="time the decode calls as straight-line code, not in a while loop (the ceilings keep "
                              "the loop); each call still waits on the last one's output. On the H200 it shrank the "
                              "empty-loop overhead (21 -> 4 us) but not the per-call times (docs/PERF.md, session 4)")
+    parser.add_argument("--trace", nargs="?", const="", metavar="DIR",
+                        help="also trace each kernel case's loop once with the profiler (into DIR, default "
+                             "bench_trace under $OUT, else the cwd) and report the decode kernels' device time per "
+                             "call (CSV span_us, gpu_busy_us; table column span)")
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
@@ -448,11 +524,12 @@ def main(argv=None):
     progress = Progress(len(args.shapes) * sum((f in usable) + (not args.skip_reference) for f in args.formats))
     # README §3's anchors were measured at batch 128, s_k 8192.
     anchors = not args.quick and (batch, seqlen) == (ANCHOR_BATCH, ANCHOR_SEQLEN)
+    trace_root = None if args.trace is None else output_path(args.trace, "bench_trace")
     rows = []
     for name in args.shapes:
         rows += bench_shape(SHAPES[name], args.formats, batch=batch, seqlen=seqlen, anchors=anchors,
                             skip_reference=args.skip_reference, ceilings=ceilings, iters=iters, repeats=repeats,
-                            progress=progress, seed=args.seed, unroll=args.unroll)
+                            progress=progress, seed=args.seed, unroll=args.unroll, trace_root=trace_root)
 
     measured = [r for r in rows if not r.get("no_kernel")]
     csv_path, png_path = output_path(args.csv, "bench.csv"), output_path(args.png, "bench.png")
@@ -470,8 +547,11 @@ def main(argv=None):
     print("floor = max(bytes / copy, FLOPs / GEMM rate of the format: fp8 for fp8 formats when measured); "
           "fl/us = floor / time ('!' over 1: not a real measurement); xref = reference / kernel; xFlashMLA, xPR54 = "
           "anchor / time (> 1 is faster)")
+    if trace_root:
+        print(f"span = median device time per call from splitkv_mla's start to combine's end (profiler records of "
+              f"one more run of the loop; the other rates and fractions use us); traces under {trace_root}")
     print(f"CSV {csv_path}" + (f"; PNG {png_path}" if plotted else ""))
-    print_table(rows)
+    print_table(rows, traced=bool(trace_root))
     return measured
 
 

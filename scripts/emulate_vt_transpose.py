@@ -1,8 +1,8 @@
 """Host emulation of the FP8 kernels' shared-memory lane mappings (cpp/kernels/sm90/decode/splitkv_mla.cuh).
 
 transpose_v: replays, for one warpgroup and a 64-token page of e4m3 bytes, what ldmatrix.x4.trans, the four
-byte permutes and stmatrix.x4 do per lane (PTX ISA "ldmatrix" / "stmatrix" fragment layouts), on the
-64-byte-swizzled K slot and V^T tiles, and checks
+byte permutes and stmatrix.x4 do per lane (PTX ISA "ldmatrix" / "stmatrix" fragment layouts), on the K slot
+(64-byte swizzle for fp8_per_tensor, 128-byte for fp8_ds_mla: `slot_swizzle`) and the SW64 V^T tile, and checks
   - V^T[c][p_column(t)] == K[t][c] for valid tokens, 0 past `valid`;
   - every 8-lane phase of each ldmatrix / stmatrix touches 8 distinct 16-byte bank groups.
 store_p_e4m3: replays the stmatrix store of P from the WGMMA accumulator fragment (m64n64 for fp8_per_tensor,
@@ -18,6 +18,19 @@ TOKENS, CHANNELS_PER_WG = 64, 256
 def sw64(row, col):
     """Byte offset in a K-major SW64 tile with 64-byte rows (atoms stacked down the rows)."""
     return row * 64 + ((((col // 16) ^ ((row >> 1) & 3)) * 16) + col % 16)
+
+
+def sw128(row, col):
+    """Byte offset in a K-major SW128 tile with 128-byte rows (atoms stacked down the rows)."""
+    return row * 128 + ((((col // 16) ^ (row & 7)) * 16) + col % 16)
+
+
+def slot_layout(slot_swizzle):
+    """Byte offset of (token, V channel) in a K slot: 4 KB SW64 slabs of 64 channels, or 8 KB SW128 slabs of 128."""
+    if slot_swizzle == 64:
+        return lambda t, c: (c // 64) * 4096 + sw64(t, c % 64)
+    assert slot_swizzle == 128, slot_swizzle
+    return lambda t, c: (c // 128) * 8192 + sw128(t, c % 128)
 
 
 def p_column(t):
@@ -36,12 +49,12 @@ def check_conflicts(addrs, what):
         assert len(groups) == 8, f"{what}: phase {phase} bank groups {sorted(groups)}"
 
 
-def run(wg, valid, rng):
-    k_slot = np.zeros(TOKENS * 512 + 64, np.uint8)  # the 512 V channels of the slot (slabs of 4 KB)
+def run(wg, valid, rng, slot_swizzle=64):
+    k_slot = np.zeros(TOKENS * 512 + 64, np.uint8)  # the 512 V channels of the slot
     vt = np.full(512 * 64, 0xAA, np.uint8)
     zeros = np.zeros(16, np.uint8)
     data = rng.integers(0, 256, size=(TOKENS, 512), dtype=np.uint8)
-    layout_k = lambda t, c: (c // 64) * 4096 + sw64(t, c % 64)
+    layout_k = slot_layout(slot_swizzle)
     layout_vt = lambda c, t: sw64(c, t)
     for t in range(TOKENS):
         for c in range(512):
@@ -158,7 +171,7 @@ def c_fragment_coord(warp, lane, v):
     return 16 * warp + lane // 4 + 8 * ((v // 2) % 2), 2 * (lane % 4) + v % 2 + 8 * (v // 4)
 
 
-def run_narrow(valid, rng):
+def run_narrow(valid, rng, slot_swizzle=64):
     """consumer_narrow (fp8_per_tensor, <= 16 query rows): one WG builds V^T A fragments from the K slot by
     ldmatrix.x4.trans + two byte permutes per matrix pair and stores P^T bytes from the S^T accumulator; checks
       - A fragment (block mb, k-step ks) value (row, k) == K[token][channel] with token 32 ks + p_column^-1(k) and
@@ -169,7 +182,7 @@ def run_narrow(valid, rng):
     k_slot = np.zeros(TOKENS * 512 + 64, np.uint8)
     zeros = np.zeros(16, np.uint8)
     data = rng.integers(0, 256, size=(TOKENS, 512), dtype=np.uint8)
-    layout_k = lambda t, c: (c // 64) * 4096 + sw64(t, c % 64)
+    layout_k = slot_layout(slot_swizzle)
     for t in range(TOKENS):
         for c in range(512):
             k_slot[layout_k(t, c)] = data[t, c]
@@ -246,13 +259,15 @@ def main():
     rng = np.random.default_rng(0)
     assert sorted(p_column(t) for t in range(64)) == list(range(64))
     assert all(p_column(t + 1) == p_column(t) + 1 for t in range(0, 64, 2)), "token pairs stay adjacent"
-    for wg in (0, 1):
-        for valid in (64, 100, 37, 1, 0, 16):
-            run(wg, valid, rng)
+    for slot_swizzle in (64, 128):  # fp8_per_tensor, fp8_ds_mla
+        for wg in (0, 1):
+            for valid in (64, 100, 37, 1, 0, 16):
+                run(wg, valid, rng, slot_swizzle)
     run_store_p(64, rng)  # fp8_per_tensor: the page's owner stores all 64 tokens
     run_store_p(32, rng)  # fp8_ds_mla: each WG its 32
-    for valid in (64, 100, 37, 1, 0, 16, 33):
-        run_narrow(valid, rng)  # fp8_per_tensor with <= 16 query rows
+    for slot_swizzle in (64, 128):
+        for valid in (64, 100, 37, 1, 0, 16, 33):
+            run_narrow(valid, rng, slot_swizzle)  # <= 16 query rows
     print("ok")
 
 

@@ -28,7 +28,8 @@ for fmt in ${FORMATS:-bf16 fp8_per_tensor fp8_ds_mla}; do
   ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/${fmt}_sass.csv" || status=1
   "$PY" - "$OUT/${fmt}_details.csv" <<'PYEOF'
 import csv, sys
-wanted = ("Duration", "Registers Per Thread", "Warp Cycles Per Issued Instruction", "Issue Slots Busy",
+wanted = ("Duration", "Elapsed Cycles", "SM Active Cycles", "Registers Per Thread",
+          "Warp Cycles Per Issued Instruction", "Issue Slots Busy",
           "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput")
 for row in csv.DictReader(open(sys.argv[1])):
     if row.get("Metric Name") in wanted:

@@ -20,10 +20,15 @@ def test_p_column_is_a_pairwise_permutation_of_each_16_tokens():
     assert all(cols[t + 1] == cols[t] + 1 for t in range(0, 64, 2))
 
 
+# The K slot's swizzle: 64-byte boxes for fp8_per_tensor, 128-byte for fp8_ds_mla.
+SLOT_SWIZZLES = pytest.mark.parametrize("slot_swizzle", [64, 128], ids=["fp8_per_tensor", "fp8_ds_mla"])
+
+
+@SLOT_SWIZZLES
 @pytest.mark.parametrize("wg", [0, 1])
 @pytest.mark.parametrize("valid", [64, 100, 37, 16, 1, 0])
-def test_transpose_v(wg, valid):
-    emu.run(wg, valid, np.random.default_rng(valid))
+def test_transpose_v(wg, valid, slot_swizzle):
+    emu.run(wg, valid, np.random.default_rng(valid), slot_swizzle)
 
 
 @pytest.mark.parametrize("tokens_per_wg", [64, 32])  # fp8_per_tensor (page owner), fp8_ds_mla (each WG half)
@@ -31,6 +36,7 @@ def test_store_p(tokens_per_wg):
     emu.run_store_p(tokens_per_wg, np.random.default_rng(tokens_per_wg))
 
 
+@SLOT_SWIZZLES
 @pytest.mark.parametrize("valid", [64, 100, 37, 33, 1, 0])
-def test_narrow_v_fragments_and_p_store(valid):
-    emu.run_narrow(valid, np.random.default_rng(valid))
+def test_narrow_v_fragments_and_p_store(valid, slot_swizzle):
+    emu.run_narrow(valid, np.random.default_rng(valid), slot_swizzle)

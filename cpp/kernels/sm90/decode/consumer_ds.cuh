@@ -70,12 +70,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   // SW64 e4m3 tile: channel c of row `row` is at slab c / 64 (4 KB each),
   // byte row * 64 + (((c % 64) / 16) ^ ((row >> 1) & 3)) * 16 + c % 16.
   // Computed here in 32 bits (a table of hoisted generic pointers spilled).
-  const uint32_t row_base = smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kSlabBytes + row * 64);
+  const uint32_t row_base = smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kQSlabBytes + row * 64);
   const int sw = (row >> 1) & 3;
   CUTE_UNROLL
   for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
     const uint4 x0 = load(i), x1 = load(i + 1);
-    const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
+    const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kQSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
                  "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
                  : "memory");
@@ -99,12 +99,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   named_barrier_sync(NamedBarriers::kQReady, kConsumers);
 }
 
-// Shared-window address of the four fp32 scales of token t in a K slot. The
-// scale slab is 64-byte swizzled like the others: the 16-byte unit of row t
-// is unit 0 XOR ((t >> 1) & 3).
+// Shared-window address of the four fp32 scales of token t in a K slot: the
+// scale box lands unswizzled, 16 bytes per token.
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ uint32_t SplitKvMlaKernel<kFormat, kNarrow>::ds_scale_addr(uint32_t slot_base, int t) {
-  return slot_base + uint32_t(Tr::kScaleSlab * Tr::kSlabBytes + t * 64 + (((t >> 1) & 3) << 4));
+  return slot_base + uint32_t(Tr::kScaleOffset + t * Tr::kScaleRowBytes);
 }
 
 // Slots past the chunk may hold NaN scales: a token's are loaded only if it
@@ -192,9 +191,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   static_assert(decltype(size<2>(tOrO))::value == kPVBlocks, "one WGMMA block per output group");
   const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
   // Value v of an m64n32 fragment is column 8 (v / 4) + 2 (lane % 4) + v % 2
-  // of the WG's 32 tokens; these byte offsets (from this thread's first
-  // token) locate its 8 tokens' scale rows. (t >> 1) & 3 = lane % 4 for all
-  // of them, so the swizzle unit is fixed per thread.
+  // of the WG's 32 tokens; offsets from this thread's first token locate its
+  // 8 tokens' scale rows.
   const int tok_first = wg * kNPerWG + int(get<1>(tScS(0)));  // within the page
   // The 8 tokens among them: value v is token j = 2 (v / 4) + v % 2 of the
   // thread, at offset 8 (j / 2) + j % 2 from tok_first.
@@ -207,7 +205,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         local_tile(sK, Shape<Int<kNPerWG>, Int<Tr::kHeadDimNope>>{}, make_coord(wg, 0)));  // (MMA, 1, 16)
   };
   auto k_rope = [&](int stage) {
-    Rope* base = reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeSlab * Tr::kSlabBytes);
+    Rope* base = reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeOffset);
     Tensor sKR = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutKRope{});
     return thr_rope.partition_fragment_B(
         local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
@@ -290,7 +288,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
             "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
             " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
             : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
-            : "r"(tok_first + token_offset(j)), "r"(valid), "r"(my_scales + uint32_t(token_offset(j) * 64))
+            : "r"(tok_first + token_offset(j)), "r"(valid),
+              "r"(my_scales + uint32_t(token_offset(j) * Tr::kScaleRowBytes))
             : "memory");
         ksc[j][0] = x.x;
         ksc[j][1] = x.y;

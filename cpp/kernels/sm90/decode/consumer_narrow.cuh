@@ -159,7 +159,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         using Rope = typename Tr::ElementRope;
         typename Tr::TiledMmaRope mma_rope;
         auto thr_rope = mma_rope.get_thread_slice(tid);
-        Tensor sKR = make_tensor(make_smem_ptr(reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeSlab * Tr::kSlabBytes)),
+        Tensor sKR = make_tensor(make_smem_ptr(reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeOffset)),
                                  typename Tr::SmemLayoutKRope{});
         Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
         Tensor tSrKR = thr_rope.partition_fragment_A(sKR);  // (MMA, 1, 4)

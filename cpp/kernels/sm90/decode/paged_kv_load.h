@@ -50,21 +50,19 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, uint64
   }
 }
 
-// fp8_ds_mla: the same 64-byte boxes over the 656-byte rows (Traits<kFp8DsMla>
-// has the slab plan): eight NoPE slabs, the slab at byte 512 that starts with
-// the four scales, and the two RoPE slabs at bytes 528 and 592. 45056 bytes.
+// fp8_ds_mla (Traits<kFp8DsMla> has the slot plan): four 128-byte NoPE slabs
+// and the RoPE slab through the cache map, the scales through the scale map.
 template <class Traits>
-__device__ __forceinline__ void load_ds_page(const CUtensorMap* map, uint64_t* full_bar,
-                                             typename Traits::Element* slot, int head_k, int block) {
+__device__ __forceinline__ void load_ds_page(const CUtensorMap* cache_map, const CUtensorMap* scale_map,
+                                             uint64_t* full_bar, typename Traits::Element* slot, int head_k,
+                                             int block) {
   mbarrier_arrive_expect_tx(full_bar, Traits::kKTileBytes);
 #pragma unroll
   for (int c = 0; c < Traits::kNopeSlabs; ++c) {
-    tma_load_4d(map, full_bar, slot + c * Traits::kSlabBytes, c * 64, head_k, 0, block);
+    tma_load_4d(cache_map, full_bar, slot + c * Traits::kNopeSlabBytes, c * Traits::kTmaBoxElems, head_k, 0, block);
   }
-  tma_load_4d(map, full_bar, slot + Traits::kScaleSlab * Traits::kSlabBytes, Traits::kScaleByte, head_k, 0, block);
-  tma_load_4d(map, full_bar, slot + Traits::kRopeSlab * Traits::kSlabBytes, Traits::kRopeByte, head_k, 0, block);
-  tma_load_4d(map, full_bar, slot + (Traits::kRopeSlab + 1) * Traits::kSlabBytes, Traits::kRopeByte + 64, head_k, 0,
-              block);
+  tma_load_4d(cache_map, full_bar, slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block);
+  tma_load_4d(scale_map, full_bar, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block);
 }
 
 }  // namespace jax_flash_mla::sm90

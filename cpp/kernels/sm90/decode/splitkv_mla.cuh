@@ -78,6 +78,7 @@ namespace jax_flash_mla::sm90 {
 struct SplitKvArgs {
   DecodeParams params;
   CUtensorMap k_map;
+  CUtensorMap scale_map;  // fp8_ds_mla's token scales (zeros otherwise)
 };
 
 // One (batch, token range) piece of a partition.
@@ -148,7 +149,7 @@ struct SplitKvMlaKernel {
         auto& full = full_barriers(plan, (page - c.first_page()) % decode_cfg::kNumConsumerWGs)[stage];
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
-          load_ds_page<Tr>(&args.k_map, &full, plan.k[stage], head_k, block);
+          load_ds_page<Tr>(&args.k_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it.
           for (int part = 0; part < 2; ++part) {
@@ -300,7 +301,10 @@ struct SplitKvMlaKernel {
         reinterpret_cast<uint32_t*>(plan.zeros)[threadIdx.x] = 0u;
       }
     }
-    if (threadIdx.x == kConsumers && p.num_blocks > 0) tma_prefetch_descriptor(&args.k_map);
+    if (threadIdx.x == kConsumers && p.num_blocks > 0) {
+      tma_prefetch_descriptor(&args.k_map);
+      if constexpr (Tr::kScaleGroups) tma_prefetch_descriptor(&args.scale_map);
+    }
     __syncthreads();
 
     // Programmatic dependent launch: everything above overlapped the previous
@@ -380,8 +384,9 @@ inline EncodeTiledFn encode_tiled_fn() {
 }  // namespace detail
 
 // The cache as (channel, head, token-in-page, block); strides in bytes.
+// Boxes of `box_elems` channels x 64 tokens with `swizzle`.
 template <config::KvFormat kFormat>
-CUtensorMap make_k_tensor_map(const DecodeParams& p) {
+CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapSwizzle swizzle) {
   using Tr = Traits<kFormat>;
   constexpr int kElemBytes = sizeof(typename Tr::Element);
   CUtensorMap map;
@@ -396,11 +401,11 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p) {
                               cuuint64_t(config::kPageSize), cuuint64_t(p.num_blocks)};
   const cuuint64_t strides[3] = {cuuint64_t(p.k_head_stride) * kElemBytes, cuuint64_t(p.k_token_stride) * kElemBytes,
                                  cuuint64_t(p.k_block_stride) * kElemBytes};
-  const cuuint32_t box[4] = {decode_cfg::kTmaBoxChannels, 1, cuuint32_t(config::kPageSize), 1};
+  const cuuint32_t box[4] = {cuuint32_t(box_elems), 1, cuuint32_t(config::kPageSize), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUresult r = detail::encode_tiled_fn()(
       &map, Tr::kTmaDataType, 4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, Tr::kTmaSwizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +
@@ -414,7 +419,12 @@ void run_splitkv_mla(const DecodeParams& params) {
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   SplitKvArgs args;
   args.params = params;
-  args.k_map = make_k_tensor_map<kFormat>(params);
+  args.k_map = make_k_tensor_map<kFormat>(params, Tr::kTmaBoxElems, Tr::kTmaSwizzle);
+  if constexpr (Tr::kScaleGroups) {
+    args.scale_map = make_k_tensor_map<kFormat>(params, Tr::kScaleBoxBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
+  } else {
+    memset(&args.scale_map, 0, sizeof(args.scale_map));
+  }
 
   auto launch = [&](auto kernel, int smem_bytes) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",

@@ -94,6 +94,7 @@ struct Traits<config::KvFormat::kBf16> {
   // TMA element type and swizzle of the K boxes (64 channels = 128 bytes).
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
 
@@ -199,6 +200,9 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
+  // 64-byte boxes: 576-byte rows stream as fast through them as through
+  // 128-byte ones (scripts/tma_stream_bench.cu, docs/PERF.md session 10).
+  static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
 
@@ -263,21 +267,23 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 //     the lazy rescale (kLazyRescaleLog2), so P_g <= 256. V^T is
 //     transposed from the slot as for fp8_per_tensor.
 //
-// TMA: one uint8 map over (656 bytes, head, token-in-page, block) with the
-// 64-byte box and 64-byte swizzle of fp8_per_tensor; eleven boxes per page:
-// eight NoPE slabs at bytes 0..511, one slab at byte 512 whose first 16 bytes
-// per token are the scales (the other 48 duplicate RoPE and go unused), and
-// two RoPE slabs at bytes 528 and 592 (32 bf16 channels each; 592 + 64 = 656
-// ends exactly at the row). Each box is a contiguous 4 KB slab (64 tokens x
-// 64 bytes, SW64). A 64-byte-swizzled K-major bf16 tile of 64 x 64 is exactly
-// two such slabs, so the RoPE WGMMA reads slabs 9-10 directly.
+// TMA: two uint8 maps over (656 bytes, head, token-in-page, block). The
+// cache map has 128-byte boxes and the 128-byte swizzle: four NoPE slabs at
+// bytes 0..511 and one RoPE slab at byte 528 (64 bf16 channels), each a
+// contiguous 8 KB slab (64 tokens x 128 bytes, SW128). The scale map has
+// 16-byte boxes, no swizzle: the four scales at byte 512, 1 KB per page.
+// 41984 bytes per slot in six copies. (Eleven 64-byte boxes, as for
+// fp8_per_tensor, streamed M1's pages at 3.48 TB/s against 4.15 through
+// 128-byte ones: a 656-byte row puts every second 64-byte piece across a
+// 32-byte sector boundary; scripts/tma_stream_bench.cu, docs/PERF.md session 10.)
+// Q keeps the 64-byte swizzle (the WGMMA descriptors of each operand carry
+// their own), so only the slot's layouts change.
 //
 // Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192
-// + K 2 x 45056 + V^T 2 x 32768 + P 4 x 4096 + a 16-byte zero row + q scales
-// 1024 + row statistics 1536 + barriers 32 (216064 with padding), plus 1 KB of
-// alignment slack:
-// kSmemBytes = 217088 (212 KB of the 227 KB opt-in limit). A third stage
-// would add 44 KB (256 KB), so kNumStages = 2.
+// + K 2 x 41984 + V^T 2 x 32768 + P 4 x 4096 + a 16-byte zero row + q scales
+// 256 + row statistics 1536 + barriers 32, plus 1 KB of alignment slack:
+// about 206 KB of the 227 KB opt-in limit. A third stage would add 41 KB,
+// so kNumStages = 2.
 template <>
 struct Traits<config::KvFormat::kFp8DsMla> {
   using Element = cutlass::float_e4m3_t;  // quantized q NoPE, cache NoPE, P
@@ -306,28 +312,35 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
   static constexpr int kHeadDimRope = config::kHeadDimQK - config::kHeadDimV;  // 64
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
-  static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
-  // WGMMA swizzle atom matching the TMA swizzle.
+  static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  static constexpr int kTmaBoxElems = 128;  // bytes of the cache map's boxes
+  static constexpr int kScaleBoxBytes = 16;  // the scale map's: four fp32
+  // WGMMA swizzle atoms: the slot's (matching the cache map) and Q's, V^T's, P's.
+  using KAtomCache = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
+  using KAtomCacheRope = cute::SM90::GMMA::Layout_K_SW128_Atom<ElementRope>;
   using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
   using KAtomRope = cute::SM90::GMMA::Layout_K_SW64_Atom<ElementRope>;
 
-  // Slabs of a K slot: 64 tokens x 64 bytes each (4096 bytes).
-  static constexpr int kSlabBytes = decode_cfg::kBlockN * 64;
-  static constexpr int kNopeSlabs = kHeadDimNope / 64;  // 8, bytes 0..511
-  static constexpr int kScaleSlab = kNopeSlabs;         // 8, bytes 512..575 (scales in 512..527)
-  static constexpr int kRopeSlab = kNopeSlabs + 1;      // 9 and 10, bytes 528..655
-  static constexpr int kSlabs = kNopeSlabs + 3;         // 11
-  // TMA box origins (byte offsets within the token) of the slabs.
+  // A K slot: NoPE slabs (64 tokens x 128 bytes, 8 KB each), the RoPE slab,
+  // then the scales (64 tokens x 16 bytes).
+  static constexpr int kNopeSlabBytes = decode_cfg::kBlockN * 128;
+  static constexpr int kNopeSlabs = kHeadDimNope / 128;                // 4, bytes 0..511 of a token
+  static constexpr int kRopeOffset = kNopeSlabs * kNopeSlabBytes;      // 32768
+  static constexpr int kScaleOffset = kRopeOffset + decode_cfg::kBlockN * kHeadDimRope * 2;  // 40960
+  static constexpr int kScaleRowBytes = kScaleBoxBytes;
+  static constexpr int kQSlabBytes = decode_cfg::kBlockM * 64;  // Q NoPE: 64 rows x 64 bytes per SW64 slab
+  // TMA box origins (byte offsets within the token).
   static constexpr int kScaleByte = kHeadDimNope;        // 512
   static constexpr int kRopeByte = kHeadDimNope + 16;    // 528
 
-  // Q NoPE (64 rows, 512 ch) and the K slot's NoPE (64 tokens, 512 ch): e4m3, K-major, SW64.
+  // Q NoPE (64 rows, 512 ch): e4m3, K-major, SW64 (load_q_ds writes it).
   using SmemLayoutQ = KMajorTile<KAtom, decode_cfg::kBlockM, kHeadDimNope>;
-  using SmemLayoutK = KMajorTile<KAtom, decode_cfg::kBlockN, kHeadDimNope>;
-  // RoPE (64 rows / tokens, 64 bf16 ch): K-major SW64, 8 x 32-channel atoms
-  // stacked down the rows first, so channels 0-31 and 32-63 are two 4 KB slabs.
+  // The K slot's NoPE (64 tokens, 512 ch): K-major, SW128, as the boxes land.
+  using SmemLayoutK = KMajorTile<KAtomCache, decode_cfg::kBlockN, kHeadDimNope>;
+  // RoPE (64 rows / tokens, 64 bf16 ch), K-major: Q's SW64 (8 x 32-channel
+  // atoms stacked down the rows first), the slot's one SW128 slab.
   using SmemLayoutQRope = KMajorTile<KAtomRope, decode_cfg::kBlockM, kHeadDimRope>;
-  using SmemLayoutKRope = KMajorTile<KAtomRope, decode_cfg::kBlockN, kHeadDimRope>;
+  using SmemLayoutKRope = KMajorTile<KAtomCacheRope, decode_cfg::kBlockN, kHeadDimRope>;
   using SmemLayoutV = KMajorTile<KAtom, decode_cfg::kHeadDimV, decode_cfg::kBlockN>;
   using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
@@ -343,10 +356,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
 
   static constexpr int kQElems = decode_cfg::kBlockM * kHeadDimNope;
   static constexpr int kQRopeElems = decode_cfg::kBlockM * kHeadDimRope;
-  static constexpr int kKElems = kSlabs * kSlabBytes;  // bytes of a slot (e4m3 elements)
+  static constexpr int kKElems = kScaleOffset + decode_cfg::kBlockN * kScaleRowBytes;  // 41984 bytes a slot
   static constexpr int kVtElems = decode_cfg::kHeadDimV * decode_cfg::kBlockN;
   static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
-  static constexpr uint32_t kKTileBytes = kKElems;  // 45056 bytes per page through TMA
+  static constexpr uint32_t kKTileBytes = kKElems;  // every byte of a slot comes through TMA
 
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
@@ -418,7 +431,7 @@ struct NarrowTraits<config::KvFormat::kFp8PerTensor> : Traits<config::KvFormat::
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
 };
 
-// fp8_ds_mla: Q NoPE 32768 + Q RoPE 8192 + K 3 x 45056 + P^T 2 WGs x 4 groups
+// fp8_ds_mla: Q NoPE 32768 + Q RoPE 8192 + K 3 x 41984 + P^T 2 WGs x 4 groups
 // x 2 parities x 1024 + exchange 33408 + q scales 256 + column maxima 1024 +
 // zero row + barriers, plus 1 KB of alignment slack.
 template <>

@@ -1,0 +1,242 @@
+// Paged-KV streaming through TMA alone: how fast can 132 CTAs pull pages of
+// 64 tokens x row_bytes through a block table into a ring of shared-memory
+// stages, with consumers that only wait, hold the slot, release it and "work"?
+// It isolates the load path of the decode kernels (paged_kv_load.h) from their
+// math, to tell which of box width, stage count and consumer chain bounds the
+// few-rows kernels (docs/DESIGN.md "Few query rows").
+//
+// Build and run on the GPU machine (no link against libcuda: the tensor-map
+// encoder comes through the runtime's driver entry point):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a scripts/tma_stream_bench.cu -o /tmp/tma_stream
+//   /tmp/tma_stream            # the sweep below, one line per configuration
+//
+// Shape: M1's 128 sequences x 128 pages (16384 pages, 604 MB at 576 B/token,
+// far past the 50 MB L2), shuffled over the cache by the block table, split in
+// equal runs over 132 CTAs. Consumers: `wgs` warps, each standing for a
+// consumer warpgroup, taking alternate pages as consumer_narrow's WGs do; each
+// waits for its page, spins `hold` ns (the S^T that reads the slot), releases
+// the slot, then spins `work` ns (the rest of its page chain).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#define CHECK(x)                                                                       \
+  do {                                                                                 \
+    cudaError_t e = (x);                                                               \
+    if (e != cudaSuccess) {                                                            \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+constexpr int kTokens = 64;
+constexpr int kMaxStages = 8;
+constexpr int kMaxWgs = 4;
+
+struct Config {
+  int row_bytes;   // 576 (fp8_per_tensor) or 656 (fp8_ds_mla)
+  int box_bytes;   // inner box width: 64 (SW64), 128 (SW128), other multiples of 16 (no swizzle)
+  int stages;
+  int wgs;
+  int hold_ns;
+  int work_ns;
+};
+
+struct Args {
+  CUtensorMap main_map;  // boxes of box_bytes
+  CUtensorMap tail_map;  // one box over the rest of the row, if any
+  const int* table;
+  int pages_per_cta_floor, pages_total, num_ctas;
+  int main_boxes, box_bytes, tail_bytes, slot_bytes, stages, wgs;
+  long long hold_cycles, work_cycles;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\nW_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra W_%=;\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void bar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tma_4d(const CUtensorMap* map, uint64_t* bar, void* dst, int c0, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+__global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* slots = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(slots + a.stages * a.slot_bytes);  // [wg][stage]
+  uint64_t* empty = full + kMaxWgs * kMaxStages;                                 // [stage]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kMaxWgs * kMaxStages; ++i) bar_init(&full[i], 1);
+    for (int s = 0; s < kMaxStages; ++s) bar_init(&empty[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // This CTA's run of logical pages.
+  const int extra = a.pages_total - a.pages_per_cta_floor * a.num_ctas;
+  const int begin = blockIdx.x * a.pages_per_cta_floor + min(int(blockIdx.x), extra);
+  const int count = a.pages_per_cta_floor + (int(blockIdx.x) < extra ? 1 : 0);
+  if (warp == 0) {
+    if (lane == 0) {
+      for (int i = 0; i < count; ++i) {
+        const int stage = i % a.stages;
+        const int block = a.table[begin + i];
+        bar_wait(&empty[stage], ((i / a.stages) & 1) ^ 1);
+        uint64_t* f = &full[(i % a.wgs) * kMaxStages + stage];
+        bar_expect_tx(f, uint32_t(kTokens * (a.main_boxes * a.box_bytes + a.tail_bytes)));
+        uint8_t* slot = slots + stage * a.slot_bytes;
+        for (int b = 0; b < a.main_boxes; ++b) {
+          tma_4d(&a.main_map, f, slot + b * kTokens * a.box_bytes, b * a.box_bytes, block);
+        }
+        if (a.tail_bytes > 0)
+          tma_4d(&a.tail_map, f, slot + a.main_boxes * kTokens * a.box_bytes, a.main_boxes * a.box_bytes, block);
+      }
+    }
+  } else if (warp - 1 < a.wgs) {
+    const int wg = warp - 1;
+    uint32_t phase_bits = 0;
+    for (int k = wg; k < count; k += a.wgs) {
+      const int stage = k % a.stages;
+      bar_wait(&full[wg * kMaxStages + stage], (phase_bits >> stage) & 1u);
+      phase_bits ^= 1u << stage;
+      spin(a.hold_cycles);
+      __syncwarp();
+      if (lane == 0) bar_arrive(&empty[stage]);
+      spin(a.work_cycles);
+    }
+  }
+}
+
+__global__ void fill_kernel(uint32_t* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = uint32_t(i * 2654435761u) ^ 0x3c3c3c3cu;  // not zeros: every byte varies
+}
+
+using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static CUtensorMap make_map(EncodeFn enc, void* base, int row_bytes, int num_blocks, int box_bytes) {
+  CUtensorMap m;
+  const cuuint64_t dims[4] = {cuuint64_t(row_bytes), 1, kTokens, cuuint64_t(num_blocks)};
+  const cuuint64_t strides[3] = {cuuint64_t(row_bytes), cuuint64_t(row_bytes), cuuint64_t(row_bytes) * kTokens};
+  const cuuint32_t box[4] = {cuuint32_t(box_bytes), 1, kTokens, 1};
+  const cuuint32_t es[4] = {1, 1, 1, 1};
+  const CUtensorMapSwizzle sw = box_bytes == 64    ? CU_TENSOR_MAP_SWIZZLE_64B
+                                : box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                                   : CU_TENSOR_MAP_SWIZZLE_NONE;
+  CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed (%d) for box %d\n", int(r), box_bytes);
+    std::exit(1);
+  }
+  return m;
+}
+
+int main() {
+  const int sequences = 128, pages_per_seq = 128, num_ctas = 132;
+  const int pages = sequences * pages_per_seq;
+  EncodeFn enc = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&enc), 12000,
+                                         cudaEnableDefault, &q));
+  int clock_khz = 0;
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  std::vector<int> table(pages);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(1234));
+  int* d_table = nullptr;
+  CHECK(cudaMalloc(&d_table, pages * sizeof(int)));
+  CHECK(cudaMemcpy(d_table, table.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
+  const size_t max_bytes = size_t(pages) * kTokens * 656;
+  void* cache = nullptr;
+  CHECK(cudaMalloc(&cache, max_bytes));
+  fill_kernel<<<1024, 256>>>(static_cast<uint32_t*>(cache), max_bytes / 4);
+  CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+
+  std::vector<Config> sweep;
+  for (int row : {576, 656})
+    for (int box : {64, 128})
+      for (int st : {2, 3, 4, 5, 6}) sweep.push_back({row, box, st, 2, 0, 0});
+  for (int box : {192, 256}) sweep.push_back({576, box, 4, 2, 0, 0});
+  // The few-rows kernels' chains (session 9 arithmetic: ~2.8 us per WG page at
+  // 576 B, ~3.7 us at 656 B, ~0.4 us of it holding the slot).
+  for (int row : {576, 656})
+    for (int box : {64, 128})
+      for (int st : {3, 4, 5, 6})
+        for (int work : {1600, 2400}) sweep.push_back({row, box, st, 2, 400, work});
+
+  std::printf("%5s %4s %6s %3s %6s %6s | %9s %9s\n", "row", "box", "stages", "wgs", "hold", "work", "us", "GB/s");
+  for (const Config& c : sweep) {
+    const int main_boxes = c.row_bytes / c.box_bytes;
+    const int tail = c.row_bytes - main_boxes * c.box_bytes;
+    const int slot = ((kTokens * c.row_bytes + 1023) / 1024) * 1024;
+    const int smem = c.stages * slot + 1024 + (kMaxWgs + 1) * kMaxStages * 8;
+    if (smem > 227 * 1024) continue;
+    Args a{};
+    a.main_map = make_map(enc, cache, c.row_bytes, pages, c.box_bytes);
+    a.tail_map = make_map(enc, cache, c.row_bytes, pages, tail > 0 ? tail : 16);
+    a.table = d_table;
+    a.pages_total = pages;
+    a.num_ctas = num_ctas;
+    a.pages_per_cta_floor = pages / num_ctas;
+    a.main_boxes = main_boxes;
+    a.box_bytes = c.box_bytes;
+    a.tail_bytes = tail;
+    a.slot_bytes = slot;
+    a.stages = c.stages;
+    a.wgs = c.wgs;
+    a.hold_cycles = (long long)c.hold_ns * clock_khz / 1000000;
+    a.work_cycles = (long long)c.work_ns * clock_khz / 1000000;
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    std::vector<float> times;
+    for (int rep = 0; rep < 7; ++rep) {
+      CHECK(cudaEventRecord(e0));
+      stream_kernel<<<num_ctas, 32 * (1 + kMaxWgs), smem>>>(a);
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      CHECK(cudaGetLastError());
+      float ms = 0.f;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (rep > 0) times.push_back(ms * 1000.f);  // the first launch warms up
+    }
+    std::sort(times.begin(), times.end());
+    const float us = times[times.size() / 2];
+    const double bytes = double(pages) * kTokens * c.row_bytes;
+    std::printf("%5d %4d %6d %3d %6d %6d | %9.1f %9.0f\n", c.row_bytes, c.box_bytes, c.stages, c.wgs, c.hold_ns,
+                c.work_ns, us, bytes / us / 1e3);
+  }
+  return 0;
+}

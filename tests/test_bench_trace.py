@@ -1,0 +1,84 @@
+"""`bench --trace`: the decode kernels' times per call, parsed from synthetic profiler trace events (CPU only)."""
+
+import csv
+import math
+
+from jax_flash_mla import bench
+
+SPLITKV = "void jax_flash_mla::sm90::splitkv_mla_kernel<(jax_flash_mla::config::KvFormat)0, false>(SplitKvArgs)"
+COMBINE = "jax_flash_mla::(anonymous namespace)::combine_kernel(DecodeParams)"
+MANGLED_SPLITKV = "_ZN13jax_flash_mla4sm9018splitkv_mla_kernelILNS_6config8KvFormatE0ELb0EEEvNS0_11SplitKvArgsE"
+GPU, HOST = 7, 701
+
+
+def metadata():
+    return [{"ph": "M", "pid": HOST, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": HOST, "name": "process_sort_index", "args": {"sort_index": HOST}},
+            {"ph": "M", "pid": GPU, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": GPU, "tid": 3, "name": "thread_name", "args": {"name": "Stream #3(Compute)"}}]
+
+
+def kernel(name, ts, dur, pid=GPU, **args):
+    event = {"ph": "X", "pid": pid, "tid": 3, "ts": ts, "dur": dur, "name": name}
+    if args:
+        event["args"] = args
+    return event
+
+
+def test_calls_with_combine_and_glue():
+    """Three calls of splitkv + combine + a glue fusion; host events (even ones named like the kernels), a memcpy
+    and the trace's trailing {} are left out."""
+    events = metadata() + [
+        # Unsorted, as the profiler writes them.
+        kernel("loop_select_fusion", 150.0, 2.0),
+        kernel(SPLITKV, 100.0, 40.0, kernel_details="regs:168 grid:132,1,1"),
+        kernel(COMBINE, 141.0, 5.0),
+        kernel(SPLITKV, 200.0, 44.0),
+        kernel(COMBINE, 246.0, 6.0),
+        kernel("loop_select_fusion", 255.0, 2.0),
+        kernel(MANGLED_SPLITKV, 300.0, 42.0),
+        kernel(COMBINE, 340.0, 7.0),  # starts before splitkv_mla ends (programmatic dependent launch)
+        kernel("loop_select_fusion", 350.0, 2.0),
+        kernel("MemcpyD2H", 353.0, 30.0, memcpy_details="kind_src:device kind_dst:pinned size:4"),
+        kernel(SPLITKV, 120.0, 1000.0, pid=HOST),
+        kernel("PjitFunction(loop)", 90.0, 400.0, pid=HOST),
+        {},
+    ]
+    times = bench.decode_kernel_times(events, iters=3)
+    assert times["span_us"] == 47.0  # median of 46, 52, 47 (not 49: the overlap counts once)
+    assert times["gpu_busy_us"] == 50.0  # (45 + 50 + 49 + 3 * 2) / 3: no memcpy, no host events
+
+
+def test_call_without_combine():
+    """A call whose combine was skipped counts its splitkv_mla alone; a combine is never taken from a later call."""
+    events = metadata() + [kernel(SPLITKV, 0.0, 30.0), kernel("loop_add_fusion", 31.0, 1.0),
+                           kernel(SPLITKV, 100.0, 40.0), kernel(COMBINE, 141.0, 4.0), kernel(COMBINE, 150.0, 9.0)]
+    times = bench.decode_kernel_times(events, iters=2)
+    assert times["span_us"] == 37.5  # median of 30, 45
+    assert times["gpu_busy_us"] == 42.0  # (30 + 1 + 40 + 4 + 9) / 2
+
+
+def test_no_splitkv_is_nan():
+    """The reference path, or a CPU: no splitkv_mla launch on a device, so no figures (host ones do not count)."""
+    events = metadata() + [kernel("loop_dot_fusion", 0.0, 300.0), kernel(COMBINE, 301.0, 5.0),
+                           kernel(SPLITKV, 0.0, 30.0, pid=HOST)]
+    times = bench.decode_kernel_times(events, iters=1)
+    assert set(times) == {"span_us", "gpu_busy_us"}
+    assert all(math.isnan(v) for v in times.values())
+
+
+def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
+    """--trace on a CPU: the kernel case (the reference, as in test_cli) is profiled into its folder; with no
+    splitkv_mla there the new columns are NaN, and the table gets its span column after max."""
+    real_step = bench.decode_step
+    monkeypatch.setattr(bench, "kernel_formats", lambda: frozenset({"bf16"}))
+    monkeypatch.setattr(bench, "decode_step", lambda shape, kv_format, path: real_step(shape, kv_format, "reference"))
+    bench.main(["--quick", "--shapes", "M1", "--formats", "bf16", "--batch", "1", "--seqlen", "64", "--iters", "1",
+                "--repeats", "1", "--skip-reference", "--trace", str(tmp_path / "trace"),
+                "--csv", str(tmp_path / "b.csv"), "--png", str(tmp_path / "b.png")])
+    assert bench.trace_events(str(tmp_path / "trace" / "M1_bf16"))  # the profiled run was written
+    with open(tmp_path / "b.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us"))
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shape"))
+    assert header.split()[3:8] == ["us", "min", "max", "span", "TFLOPS"]
