@@ -95,6 +95,7 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
+  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
 
@@ -203,6 +204,10 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // 64-byte boxes: 576-byte rows stream as fast through them as through
   // 128-byte ones (scripts/tma_stream_bench.cu, docs/PERF.md session 10).
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
+  // 128-byte L2 promotion: M1's pages streamed through these boxes at 4.23 TB/s
+  // against 3.87 with 256-byte promotion (which fetches sectors of the next
+  // box's rows that are evicted before it asks for them), 3.89 with none.
+  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
 
@@ -315,6 +320,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = 128;  // bytes of the cache map's boxes
   static constexpr int kScaleBoxBytes = 16;  // the scale map's: four fp32
+  // 128- and 256-byte L2 promotion stream the same here (4.20 / 4.21 TB/s).
+  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   // WGMMA swizzle atoms: the slot's (matching the cache map) and Q's, V^T's, P's.
   using KAtomCache = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
   using KAtomCacheRope = cute::SM90::GMMA::Layout_K_SW128_Atom<ElementRope>;
