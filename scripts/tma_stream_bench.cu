@@ -8,7 +8,8 @@
 // Build and run on the GPU machine (no link against libcuda: the tensor-map
 // encoder comes through the runtime's driver entry point):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a scripts/tma_stream_bench.cu -o /tmp/tma_stream
-//   /tmp/tma_stream            # the sweep below, one line per configuration
+//   /tmp/tma_stream            # box widths x stages x consumer chains, one line per configuration
+//   /tmp/tma_stream l2         # L2 sector promotion x an evict-first cache hint on the loads
 //
 // Shape: M1's 128 sequences x 128 pages (16384 pages, 604 MB at 576 B/token,
 // far past the 50 MB L2), shuffled over the cache by the block table, split in
@@ -24,6 +25,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #define CHECK(x)                                                                       \
@@ -46,6 +48,8 @@ struct Config {
   int wgs;
   int hold_ns;
   int work_ns;
+  int l2_promotion = 256;    // bytes the L2 fetches per miss (0: no promotion)
+  bool evict_first = false;  // L2::cache_hint with an evict_first policy on every load
 };
 
 struct Args {
@@ -54,6 +58,7 @@ struct Args {
   const int* table;
   int pages_per_cta_floor, pages_total, num_ctas;
   int main_boxes, box_bytes, tail_bytes, slot_bytes, stages, wgs;
+  bool evict_first;
   long long hold_cycles, work_cycles;
 };
 
@@ -83,6 +88,23 @@ __device__ __forceinline__ void tma_4d(const CUtensorMap* map, uint64_t* bar, vo
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3)
       : "memory");
 }
+// The same copy with an L2 cache-eviction hint (PTX ISA "createpolicy").
+__device__ __forceinline__ void tma_4d_hint(const CUtensorMap* map, uint64_t* bar, void* dst, int c0, int c3,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void load_box(const Args& a, const CUtensorMap* map, uint64_t* bar, void* dst, int c0,
+                                         int c3, uint64_t policy) {
+  if (a.evict_first) {
+    tma_4d_hint(map, bar, dst, c0, c3, policy);
+  } else {
+    tma_4d(map, bar, dst, c0, c3);
+  }
+}
 __device__ __forceinline__ void spin(long long cycles) {
   const long long t0 = clock64();
   while (clock64() - t0 < cycles) {
@@ -107,6 +129,8 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
   const int count = a.pages_per_cta_floor + (int(blockIdx.x) < extra ? 1 : 0);
   if (warp == 0) {
     if (lane == 0) {
+      uint64_t policy;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
       for (int i = 0; i < count; ++i) {
         const int stage = i % a.stages;
         const int block = a.table[begin + i];
@@ -115,10 +139,11 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
         bar_expect_tx(f, uint32_t(kTokens * (a.main_boxes * a.box_bytes + a.tail_bytes)));
         uint8_t* slot = slots + stage * a.slot_bytes;
         for (int b = 0; b < a.main_boxes; ++b) {
-          tma_4d(&a.main_map, f, slot + b * kTokens * a.box_bytes, b * a.box_bytes, block);
+          load_box(a, &a.main_map, f, slot + b * kTokens * a.box_bytes, b * a.box_bytes, block, policy);
         }
         if (a.tail_bytes > 0)
-          tma_4d(&a.tail_map, f, slot + a.main_boxes * kTokens * a.box_bytes, a.main_boxes * a.box_bytes, block);
+          load_box(a, &a.tail_map, f, slot + a.main_boxes * kTokens * a.box_bytes, a.main_boxes * a.box_bytes, block,
+                   policy);
       }
     }
   } else if (warp - 1 < a.wgs) {
@@ -145,17 +170,22 @@ using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, voi
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-static CUtensorMap make_map(EncodeFn enc, void* base, int row_bytes, int num_blocks, int box_bytes) {
+static CUtensorMap make_map(EncodeFn enc, void* base, int row_bytes, int num_blocks, int box_bytes,
+                            int l2_promotion) {
   CUtensorMap m;
   const cuuint64_t dims[4] = {cuuint64_t(row_bytes), 1, kTokens, cuuint64_t(num_blocks)};
   const cuuint64_t strides[3] = {cuuint64_t(row_bytes), cuuint64_t(row_bytes), cuuint64_t(row_bytes) * kTokens};
   const cuuint32_t box[4] = {cuuint32_t(box_bytes), 1, kTokens, 1};
   const cuuint32_t es[4] = {1, 1, 1, 1};
+  const CUtensorMapL2promotion promotion = l2_promotion == 256   ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                           : l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                           : l2_promotion == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+                                                                 : CU_TENSOR_MAP_L2_PROMOTION_NONE;
   const CUtensorMapSwizzle sw = box_bytes == 64    ? CU_TENSOR_MAP_SWIZZLE_64B
                                 : box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
                                                    : CU_TENSOR_MAP_SWIZZLE_NONE;
   CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                   sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                   sw, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::printf("cuTensorMapEncodeTiled failed (%d) for box %d\n", int(r), box_bytes);
     std::exit(1);
@@ -163,7 +193,8 @@ static CUtensorMap make_map(EncodeFn enc, void* base, int row_bytes, int num_blo
   return m;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool l2_sweep = argc > 1 && std::string(argv[1]) == "l2";
   const int sequences = 128, pages_per_seq = 128, num_ctas = 132;
   const int pages = sequences * pages_per_seq;
   EncodeFn enc = nullptr;
@@ -185,18 +216,23 @@ int main() {
   CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
 
   std::vector<Config> sweep;
-  for (int row : {576, 656})
+  // The decode kernels' boxes (fp8_per_tensor 64 bytes, fp8_ds_mla 128), 3 stages, no chain.
+  for (int row : l2_sweep ? std::vector<int>{576, 656} : std::vector<int>{})
+    for (int promo : {0, 64, 128, 256})
+      for (bool evict : {false, true}) sweep.push_back({row, row == 576 ? 64 : 128, 3, 2, 0, 0, promo, evict});
+  for (int row : l2_sweep ? std::vector<int>{} : std::vector<int>{576, 656})
     for (int box : {64, 128})
       for (int st : {2, 3, 4, 5, 6}) sweep.push_back({row, box, st, 2, 0, 0});
-  for (int box : {192, 256}) sweep.push_back({576, box, 4, 2, 0, 0});
+  for (int box : l2_sweep ? std::vector<int>{} : std::vector<int>{192, 256}) sweep.push_back({576, box, 4, 2, 0, 0});
   // The few-rows kernels' chains (session 9 arithmetic: ~2.8 us per WG page at
   // 576 B, ~3.7 us at 656 B, ~0.4 us of it holding the slot).
-  for (int row : {576, 656})
+  for (int row : l2_sweep ? std::vector<int>{} : std::vector<int>{576, 656})
     for (int box : {64, 128})
       for (int st : {3, 4, 5, 6})
         for (int work : {1600, 2400}) sweep.push_back({row, box, st, 2, 400, work});
 
-  std::printf("%5s %4s %6s %3s %6s %6s | %9s %9s\n", "row", "box", "stages", "wgs", "hold", "work", "us", "GB/s");
+  std::printf("%5s %4s %6s %3s %6s %6s %5s %5s | %9s %9s\n", "row", "box", "stages", "wgs", "hold", "work", "promo",
+              "evict", "us", "GB/s");
   for (const Config& c : sweep) {
     const int main_boxes = c.row_bytes / c.box_bytes;
     const int tail = c.row_bytes - main_boxes * c.box_bytes;
@@ -204,8 +240,9 @@ int main() {
     const int smem = c.stages * slot + 1024 + (kMaxWgs + 1) * kMaxStages * 8;
     if (smem > 227 * 1024) continue;
     Args a{};
-    a.main_map = make_map(enc, cache, c.row_bytes, pages, c.box_bytes);
-    a.tail_map = make_map(enc, cache, c.row_bytes, pages, tail > 0 ? tail : 16);
+    a.main_map = make_map(enc, cache, c.row_bytes, pages, c.box_bytes, c.l2_promotion);
+    a.tail_map = make_map(enc, cache, c.row_bytes, pages, tail > 0 ? tail : 16, c.l2_promotion);
+    a.evict_first = c.evict_first;
     a.table = d_table;
     a.pages_total = pages;
     a.num_ctas = num_ctas;
@@ -235,8 +272,8 @@ int main() {
     std::sort(times.begin(), times.end());
     const float us = times[times.size() / 2];
     const double bytes = double(pages) * kTokens * c.row_bytes;
-    std::printf("%5d %4d %6d %3d %6d %6d | %9.1f %9.0f\n", c.row_bytes, c.box_bytes, c.stages, c.wgs, c.hold_ns,
-                c.work_ns, us, bytes / us / 1e3);
+    std::printf("%5d %4d %6d %3d %6d %6d %5d %5d | %9.1f %9.0f\n", c.row_bytes, c.box_bytes, c.stages, c.wgs,
+                c.hold_ns, c.work_ns, c.l2_promotion, int(c.evict_first), us, bytes / us / 1e3);
   }
   return 0;
 }
