@@ -280,7 +280,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
           page_max[k4] = m;
           if (lane < 4) xmax[warp][col_of(k4)] = m;
         }
-        warpgroup_barrier_sync<NamedBarriers::kNarrowMax0>(wg);
+        named_barrier_sync(NamedBarriers(int(NamedBarriers::kNarrowMax0) + wg), 128);
         CUTE_UNROLL
         for (int k4 = 0; k4 < 4; ++k4) {
           CUTE_UNROLL
@@ -334,7 +334,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         store_pt(smem_addr(plan.p[wg][parity]), [](int) { return 1.f; });
       }
       fence_proxy_async_smem();
-      warpgroup_barrier_sync<NamedBarriers::kNarrowP0>(wg);
+      named_barrier_sync(NamedBarriers(int(NamedBarriers::kNarrowP0) + wg), 128);
 
       // ---- O^T (+)= V^T P^T: channel block mb with its group's P^T tile.
       auto pt_tile = [&](int mb) {

@@ -34,20 +34,6 @@ __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_thr
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");
 }
 
-// The barrier `first` (warpgroup 0) or `first` + 1 (warpgroup 1) for one
-// warpgroup's 128 threads, with the id as an immediate in each branch:
-// compute-sanitizer's racecheck reported the few-rows kernel's chunk-end
-// exchange, ordered by two 256-thread barriers, as a hazard when these
-// per-warpgroup barriers took their id from a register (session 10).
-template <NamedBarriers kFirst>
-__device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
-  if (wg == 0) {
-    asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kFirst)) : "memory");
-  } else {
-    asm volatile("bar.sync %0, 128;\n" ::"n"(static_cast<int>(kFirst) + 1) : "memory");
-  }
-}
-
 // Makes this thread's generic-proxy shared-memory writes (st.shared) visible
 // to the async proxy (WGMMA operand reads, TMA): PTX ISA "membar/fence",
 // fence.proxy.async. Each writing thread issues it before the barrier that
