@@ -136,8 +136,9 @@ run_step() {  # name, log file, seconds, command...
 }
 if [[ ${SKIP_BENCH:-0} != 1 ]]; then
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
+  # --trace: the decode kernels' device span per call next to the loop figure (docs/PERF.md "Current figures").
   run_step bench bench.log 420 "$PY" -m jax_flash_mla.bench --csv "$OUT/bench.csv" --png "$OUT/bench.png" \
-    "${bench_args[@]}"
+    --trace /tmp/jax_flash_mla_trace "${bench_args[@]}"
 fi
 if [[ ${SKIP_SANITIZE:-0} != 1 ]] && command -v compute-sanitizer > /dev/null; then
   # One process per format: with several kernels in one process compute-sanitizer segfaulted (rc 139, session 5)

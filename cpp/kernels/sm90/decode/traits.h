@@ -391,8 +391,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
 // consumer_narrow.cuh: S^T = K Q^T and O^T = V^T P^T with the page's tokens and
 // V's channels as the WGMMA's 64 rows and the query rows as N = 16, the two
 // consumer WGs on alternate pages. Its plan has no V^T tiles (V^T is built in
-// registers) and no 64-row P tiles; the bytes go to more K stages, which the
-// few-rows shapes need (they are bound by page loads, not by the tensor cores).
+// registers) and no 64-row P tiles; the bytes go to one more K stage each.
+// (These shapes are bound by page loads, but a TMA-only stream of M1's pages
+// runs as fast with 2 stages as with 6: docs/DESIGN.md, session 10.)
 namespace narrow_cfg {
 inline constexpr int kRows = 16;
 inline constexpr int kPtElems = kRows * decode_cfg::kBlockN;  // one P^T tile: 16 rows x 64 tokens
