@@ -300,7 +300,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         const float grown = fmaxf(norm[g], n[g]);
-        shrink[g] = norm[g] / grown;
+        // Multiplied by the reciprocal (MUFU.RCP): exact for the format's
+        // power-of-two scales, 2 ulp otherwise, where `/` adds the IEEE
+        // division's range check and slow-path call to every page.
+        shrink[g] = __fdividef(norm[g], grown);
         norm[g] = grown;
       }
 
