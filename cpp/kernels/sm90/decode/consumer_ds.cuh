@@ -300,10 +300,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         const float grown = fmaxf(norm[g], n[g]);
-        // Multiplied by the reciprocal (MUFU.RCP): exact for the format's
-        // power-of-two scales, 2 ulp otherwise, where `/` adds the IEEE
-        // division's range check and slow-path call to every page.
-        shrink[g] = __fdividef(norm[g], grown);
+        shrink[g] = norm[g] / grown;
         norm[g] = grown;
       }
 

@@ -232,7 +232,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         CUTE_UNROLL
         for (int g = 0; g < 4; ++g) {
           const float grown = fmaxf(norm[g], n[g]);
-          shrink[g] = __fdividef(norm[g], grown);  // see consumer_ds
+          shrink[g] = norm[g] / grown;  // exact for power-of-two scales; unused on the WG's first page
           norm[g] = grown;
         }
       }
