@@ -31,7 +31,7 @@
 //   kUsesDescale: descale_q * descale_k (device scalars) fold into the softmax
 //     scale, and descale_k multiplies the output (partials too, so the combine
 //     stays format-agnostic); lse is of the scaled logits.
-//   kScaleGroups (fp8_ds_mla): the producer loads eleven slabs per page
+//   kScaleGroups (fp8_ds_mla): the producer loads six slabs per page
 //     (load_ds_page) and the consumers run consumer_ds (design A of
 //     docs/NUMERICS.md: q quantized in the prologue, per-group promoted QK,
 //     P per output group accumulated into O under a running normalizer);
