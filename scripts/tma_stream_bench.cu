@@ -209,17 +209,19 @@ int main(int argc, char** argv) {
   int* d_table = nullptr;
   CHECK(cudaMalloc(&d_table, pages * sizeof(int)));
   CHECK(cudaMemcpy(d_table, table.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
-  const size_t max_bytes = size_t(pages) * kTokens * 656;
+  const size_t max_bytes = size_t(pages) * kTokens * 1152;  // bf16's rows are the longest
   void* cache = nullptr;
   CHECK(cudaMalloc(&cache, max_bytes));
   fill_kernel<<<1024, 256>>>(static_cast<uint32_t*>(cache), max_bytes / 4);
   CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
 
   std::vector<Config> sweep;
-  // The decode kernels' boxes (fp8_per_tensor 64 bytes, fp8_ds_mla 128), 3 stages, no chain.
-  for (int row : l2_sweep ? std::vector<int>{576, 656} : std::vector<int>{})
+  // The decode kernels' boxes (fp8_per_tensor 64 bytes, fp8_ds_mla and bf16 128), no chain; bf16's two
+  // stages of 72 KB.
+  for (int row : l2_sweep ? std::vector<int>{576, 656, 1152} : std::vector<int>{})
     for (int promo : {0, 64, 128, 256})
-      for (bool evict : {false, true}) sweep.push_back({row, row == 576 ? 64 : 128, 3, 2, 0, 0, promo, evict});
+      for (bool evict : {false, true})
+        sweep.push_back({row, row == 576 ? 64 : 128, row == 1152 ? 2 : 3, 2, 0, 0, promo, evict});
   for (int row : l2_sweep ? std::vector<int>{} : std::vector<int>{576, 656})
     for (int box : {64, 128})
       for (int st : {2, 3, 4, 5, 6}) sweep.push_back({row, box, st, 2, 0, 0});
