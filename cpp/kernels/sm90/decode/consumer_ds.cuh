@@ -15,44 +15,32 @@ namespace jax_flash_mla::sm90 {
 // so the promotion is one FFMA per score and group and qs is applied once, when
 // the scores leave the accumulator. (Per-row instead of per-group scales: the
 // same error in emulation, even with the groups' magnitudes 2^9 apart, since
-// e4m3's exponent covers the spread; docs/NUMERICS.md.) The 256 consumer
-// threads split the tile's rows evenly: the 64-row kernel's 64 rows x 4
-// threads (thread (row, j) = (ctid / 4, ctid % 4) loads 256 NoPE bytes and 16
-// RoPE channels), the few-rows kernel's 16 rows x 16 threads (64 bytes and 4
-// channels each, so its chunk prologue waits on one short load chain instead
-// of two 256-byte passes; the rows it never reads stay unwritten). The
-// threads of a row are adjacent lanes and reduce amax by xor-shuffles. Rows
-// past q_rows_per_head_k are zeros (scale 1); their results are never stored.
+// e4m3's exponent covers the spread; docs/NUMERICS.md.) 256 consumer threads
+// = 64 rows x 4 groups: thread (row, g) = (ctid / 4, ctid % 4) loads its 256
+// NoPE bytes and 16 RoPE channels; the quad of a row reduces amax. Rows past
+// q_rows_per_head_k are zeros (scale 1); their results are never stored.
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams& p, Plan& plan, int batch,
                                                              int head_k, int m_block, int ctid) {
   using namespace cute;
-  constexpr int kQRows = kNarrow ? narrow_cfg::kRows : kBlockM;          // rows quantized
-  constexpr int kThreadsPerRow = kConsumers / kQRows;                    // 4 or 16
-  constexpr int kNopePerThread = Tr::kHeadDimNope / kThreadsPerRow;      // 128 or 32 channels
-  constexpr int kRopePerThread = Tr::kHeadDimRope / kThreadsPerRow;      // 16 or 4 channels
-  constexpr int kRopeVec = kRopePerThread < 8 ? kRopePerThread : 8;      // bf16 per load
-  using RopeVec = std::conditional_t<kRopeVec == 8, uint4, uint2>;
-  static_assert(kConsumers % kQRows == 0 && kThreadsPerRow <= 32, "a row's threads within one warp");
-  static_assert(kNopePerThread % 16 == 0 && (kNopePerThread % 64 == 0 || 64 % kNopePerThread == 0),
-                "whole 16-byte units, none across a 64-channel slab");
-  static_assert(kRopeVec == 4 || kRopeVec == 8, "uint2 or uint4 RoPE pieces");
+  static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
+  static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
   // Opaque to the compiler: the addresses below are recomputed per chunk
   // rather than hoisted out of the chunk loop into registers (which spilled).
   asm volatile("" : "+r"(ctid));
   Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
-  const int row = ctid / kThreadsPerRow;
-  const int j = ctid % kThreadsPerRow;
+  const int row = ctid / Tr::kNumGroups;
+  const int g = ctid % Tr::kNumGroups;
   const int r = m_block * kBlockM + row;
   const bool valid = r < p.q_rows_per_head_k;
   const __nv_bfloat16* q_row =
       q + (valid ? (r / p.heads_per_head_k) * p.q_seq_stride +
                        (head_k * p.heads_per_head_k + r % p.heads_per_head_k) * p.q_head_stride
                  : 0);
-  const uint4* src = reinterpret_cast<const uint4*>(q_row + j * kNopePerThread);
-  constexpr int kPieces = kNopePerThread / 8;  // 16 or 4 x 8 bf16
-  // Two passes over the thread's bytes (the second hits L1), so only a few
+  const uint4* src = reinterpret_cast<const uint4*>(q_row + g * Tr::kGroupChannels);
+  constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
+  // Two passes over the 256 bytes (the second hits L1), so only a few
   // registers are live next to O, which stays live across chunks.
   auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
   auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
@@ -63,12 +51,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
     const uint4 x = load(i);
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
     CUTE_UNROLL
-    for (int k = 0; k < 4; ++k) amax = fmaxf(amax, fmaxf(fabsf(lo(w[k])), fabsf(hi(w[k]))));
+    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
   }
-  CUTE_UNROLL
-  for (int lane_mask = 1; lane_mask < kThreadsPerRow; lane_mask *= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, lane_mask));
-  }
+  amax = quad_allreduce_max(amax);  // the row's four groups are lanes 4 row .. 4 row + 3
   // 2^ceil(log2(amax / 448)): round the fp32 quotient's exponent up unless
   // its mantissa is zero; at least 2^-64, so RoPE / scale cannot overflow for
   // a row whose NoPE part is all but zero. inv_scale = 1 / scale, also exact.
@@ -85,34 +70,31 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   // SW64 e4m3 tile: channel c of row `row` is at slab c / 64 (4 KB each),
   // byte row * 64 + (((c % 64) / 16) ^ ((row >> 1) & 3)) * 16 + c % 16.
   // Computed here in 32 bits (a table of hoisted generic pointers spilled).
-  const int c0 = j * kNopePerThread;  // the thread's first channel
-  const uint32_t row_base = smem_addr(plan.q) + uint32_t((c0 / 64) * Tr::kQSlabBytes + row * 64);
-  const int unit0 = (c0 % 64) / 16;
+  const uint32_t row_base = smem_addr(plan.q) + uint32_t((g * Tr::kGroupChannels / 64) * Tr::kQSlabBytes + row * 64);
   const int sw = (row >> 1) & 3;
   CUTE_UNROLL
   for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
     const uint4 x0 = load(i), x1 = load(i + 1);
-    const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kQSlabBytes + (((unit0 + (i / 2) % 4) ^ sw) << 4));
+    const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kQSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
                  "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
                  : "memory");
   }
-  // The thread's RoPE channels of the row, times 1 / scale (exact in bf16).
-  const RopeVec* rope_src = reinterpret_cast<const RopeVec*>(q_row + Tr::kHeadDimNope + j * kRopePerThread);
+  // RoPE channels 16 g .. 16 g + 15 of the row, times 1 / scale (exact in bf16).
+  const uint4* rope_src = reinterpret_cast<const uint4*>(q_row + Tr::kHeadDimNope + 16 * g);
   CUTE_UNROLL
-  for (int i = 0; i < kRopePerThread / kRopeVec; ++i) {
-    const RopeVec x = valid ? __ldg(rope_src + i) : RopeVec{};
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(&x);
-    RopeVec y;
-    uint32_t* yw = reinterpret_cast<uint32_t*>(&y);
+  for (int i = 0; i < 2; ++i) {
+    const uint4 x = valid ? __ldg(rope_src + i) : make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    uint32_t y[4];
     CUTE_UNROLL
-    for (int k = 0; k < kRopeVec / 2; ++k) {
-      const __nv_bfloat162 v = __floats2bfloat162_rn(lo(w[k]) * inv_scale, hi(w[k]) * inv_scale);
-      yw[k] = *reinterpret_cast<const uint32_t*>(&v);
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(lo(w[j]) * inv_scale, hi(w[j]) * inv_scale);
+      y[j] = *reinterpret_cast<const uint32_t*>(&v);
     }
-    *reinterpret_cast<RopeVec*>(raw_pointer_cast(&sQR(row, j * kRopePerThread + kRopeVec * i))) = y;
+    *reinterpret_cast<uint4*>(raw_pointer_cast(&sQR(row, 16 * g + 8 * i))) = make_uint4(y[0], y[1], y[2], y[3]);
   }
-  if (j == 0) plan.q_scale[row] = scale;
+  if (g == 0) plan.q_scale[row] = scale;
   fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
   named_barrier_sync(NamedBarriers::kQReady, kConsumers);
 }
