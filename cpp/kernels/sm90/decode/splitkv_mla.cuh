@@ -421,7 +421,7 @@ void run_splitkv_mla(const DecodeParams& params) {
   args.params = params;
   args.k_map = make_k_tensor_map<kFormat>(params, Tr::kTmaBoxElems, Tr::kTmaSwizzle);
   if constexpr (Tr::kScaleGroups) {
-    args.scale_map = make_k_tensor_map<kFormat>(params, Tr::kScaleBoxBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
+    args.scale_map = make_k_tensor_map<kFormat>(params, Tr::kScaleRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
   } else {
     memset(&args.scale_map, 0, sizeof(args.scale_map));
   }

@@ -319,7 +319,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = 128;  // bytes of the cache map's boxes
-  static constexpr int kScaleBoxBytes = 16;  // the scale map's: four fp32
+  // A token's four fp32 scales: the scale map's box width and a row of the
+  // slot's scale block.
+  static constexpr int kScaleRowBytes = 16;
   // 128- and 256-byte L2 promotion stream the same here (4.20 / 4.21 TB/s).
   static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   // WGMMA swizzle atoms: the slot's (matching the cache map) and Q's, V^T's, P's.
@@ -330,11 +332,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
 
   // A K slot: NoPE slabs (64 tokens x 128 bytes, 8 KB each), the RoPE slab,
   // then the scales (64 tokens x 16 bytes).
-  static constexpr int kNopeSlabBytes = decode_cfg::kBlockN * 128;
-  static constexpr int kNopeSlabs = kHeadDimNope / 128;                // 4, bytes 0..511 of a token
+  static constexpr int kNopeSlabBytes = decode_cfg::kBlockN * kTmaBoxElems;
+  static constexpr int kNopeSlabs = kHeadDimNope / kTmaBoxElems;       // 4, bytes 0..511 of a token
   static constexpr int kRopeOffset = kNopeSlabs * kNopeSlabBytes;      // 32768
   static constexpr int kScaleOffset = kRopeOffset + decode_cfg::kBlockN * kHeadDimRope * 2;  // 40960
-  static constexpr int kScaleRowBytes = kScaleBoxBytes;
   static constexpr int kQSlabBytes = decode_cfg::kBlockM * 64;  // Q NoPE: 64 rows x 64 bytes per SW64 slab
   // TMA box origins (byte offsets within the token).
   static constexpr int kScaleByte = kHeadDimNope;        // 512
