@@ -59,7 +59,9 @@ for i in "${!builds[@]}"; do
     > "$logs/bench_$name.log" 2>&1
   line+=" bench rc=$?"
   summary+=("$line")
-  grep -E "^(M1|C1|C2|VL) " "$logs/bench_$name.log" | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us\n", n, $1, $2, $4}' \
+  # Columns: loop median (us), and with --trace the decode's span (last column).
+  grep -E "^(M1|C1|C2|VL) " "$logs/bench_$name.log" \
+    | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (NF >= 7 ? $7 : "-")}' \
     >> "$logs/table.txt"
 done
 
