@@ -325,8 +325,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // A token's four fp32 scales: the scale map's box width and a row of the
   // slot's scale block.
   static constexpr int kScaleRowBytes = 16;
-  // 128- and 256-byte L2 promotion stream the same here (4.20 / 4.21 TB/s).
-  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  // 128-byte L2 promotion, as the other formats: a TMA-only stream of M1's
+  // 656-byte rows took 160.8 µs with it against 162.2 with 256 (session 11;
+  // 163.8 against 163.4 in session 10).
+  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atoms: the slot's (matching the cache map) and Q's, V^T's, P's.
   using KAtomCache = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
   using KAtomCacheRope = cute::SM90::GMMA::Layout_K_SW128_Atom<ElementRope>;
