@@ -11,7 +11,8 @@
 # out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
 # RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150);
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
-# default FORMATS).
+# default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases).
+# Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -38,8 +39,10 @@ for i in "${!builds[@]}"; do
   line="$name:"
   if ((i > 0)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
     k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
+    read -r -a test_args <<< "${TEST_ARGS:-}"
     XLA_PYTHON_CLIENT_MEM_FRACTION=$("$PY" -c "print(round(0.9 / $workers, 3))") JAX_FLASH_MLA_REQUIRE_GPU=1 \
-      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" > "$logs/pytest_$name.log" 2>&1
+      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" \
+      "${test_args[@]}" > "$logs/pytest_$name.log" 2>&1
     line+=" tests rc=$? ($(tail -1 "$logs/pytest_$name.log" | tr -d '=' | xargs));"
   fi
   if ((i > 0)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
@@ -74,6 +77,10 @@ for f in "$logs"/racecheck_*.log; do
   # Device functions are printed with their whole template signature: keep the offset and the source line.
   grep -E -A1 "(Error|Warning): Race" "$f" | sed -E 's/at void .*\+(0x[0-9a-f]+) in /at +\1 in /' | cut -c1-240 | head -20
 done
-if [[ -n ${OUT:-} ]]; then tar czf "$OUT/compare_logs.tar.gz" -C "$logs" .; fi
+if [[ -n ${OUT:-} ]]; then
+  n=1
+  while [[ -e $OUT/compare_logs_$n.tar.gz ]]; do n=$((n + 1)); done
+  tar czf "$OUT/compare_logs_$n.tar.gz" -C "$logs" .
+fi
 echo
 sort -k2,2 -k3,3 -s "$logs/table.txt" 2> /dev/null

@@ -2,7 +2,8 @@
 
 Every test is parametrized by cache format; a format whose kernel was not built (JAX_FLASH_MLA_DISABLE_FP8) skips,
 and the whole module skips without a CUDA sm_90 device (CPU CI), unless JAX_FLASH_MLA_REQUIRE_GPU=1. The H200 runs
-it through scripts/gpu_check.sh; `-k fp8_per_tensor` selects the fp8 half, `-k bf16` the bf16 half.
+it through scripts/gpu_check.sh; `-k fp8_per_tensor` selects one format, `-m few_rows` the cases with at most 16
+query rows per KV head.
 
 Coverage: a hand-picked subset of b ∈ {1, 2, 6, 64} × s_q ∈ {1, 2, 4} × s_k ∈ {20, 140, 4096, varlen} ×
 h_q ∈ {1, 3, 9, 16, 63, 64, 126, 128} × h_kv ∈ {1, 2, 8} × causal, chosen so that every value of each axis appears,
@@ -109,8 +110,19 @@ def _format_param(kv_format):
 
 FORMATS = [_format_param(f) for f in TOLS]
 
+# Query rows per KV head up to which the FP8 formats run their few-rows kernel (the launcher's choice).
+FEW_ROWS = 16
+# `-m few_rows` selects the cases of that kernel.
+few_rows = pytest.mark.few_rows
+
+
+def _case(b, s_q, h_q, h_kv, seqlens, causal):
+    marks = [few_rows] if s_q * h_q // h_kv <= FEW_ROWS else []
+    return pytest.param(b, s_q, h_q, h_kv, seqlens, causal, marks=marks)
+
+
 # (b, s_q, h_q, h_kv, seqlens, causal); seqlens: an int (all equal) or a list (varlen).
-CASES = [
+CASES = [_case(*case) for case in [
     (1, 1, 1, 1, 20, False),
     (1, 2, 3, 1, 140, True),
     (2, 1, 9, 1, [140, 20], False),
@@ -130,7 +142,7 @@ CASES = [
     # M1's rows with its long sequences: ~31 pages per partition, the long chunks where the few-rows kernels'
     # per-WG k_full sets matter (a shared set let a wait pass on a stale phase: docs/DESIGN.md, "Few query rows").
     (32, 1, 16, 1, 8192, False),
-]
+]]
 
 
 def _seqlens(rng, b, spec):
@@ -211,7 +223,7 @@ def test_kernel_matches_reference(b, s_q, h_q, h_kv, seqlens, causal, kv_format)
 
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("dist", ["rope_outliers", "small_latent"])
-@pytest.mark.parametrize("s_q, h_q", [(2, 64), (1, 16)])  # 128 rows per KV head; 16 (M1-like)
+@pytest.mark.parametrize("s_q, h_q", [(2, 64), pytest.param(1, 16, marks=few_rows)])  # 128 rows; 16 (M1-like)
 def test_kernel_other_distributions(dist, s_q, h_q, kv_format):
     rng = np.random.default_rng(7)
     inp = make_decode_inputs(rng, b=6, s_q=s_q, h_q=h_q, h_kv=1, seqlens=_seqlens(rng, 6, "varlen"),
@@ -222,7 +234,7 @@ def test_kernel_other_distributions(dist, s_q, h_q, kv_format):
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("s_q, h_q", [(2, 128), (1, 16)])  # 256 rows per KV head (4 row tiles); 16 (M1-like)
+@pytest.mark.parametrize("s_q, h_q", [(2, 128), pytest.param(1, 16, marks=few_rows)])  # 256 rows (4 tiles); 16
 def test_kernel_deterministic(s_q, h_q, kv_format):
     rng = np.random.default_rng(3)
     inp = make_decode_inputs(rng, b=6, s_q=s_q, h_q=h_q, h_kv=1, seqlens=_seqlens(rng, 6, "varlen"),
