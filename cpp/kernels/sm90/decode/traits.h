@@ -95,9 +95,9 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
-  // 128-byte L2 promotion: a TMA-only stream of M1's 1152-byte rows took
-  // 266.8 µs with it against 301.5 with 256-byte promotion (docs/PERF.md
-  // session 11), as for fp8_per_tensor's rows.
+  // 128-byte L2 promotion, as for fp8_per_tensor's rows: a TMA-only stream
+  // of M1's 1152-byte rows took 266.8 µs with it against 301.5 with 256-byte
+  // promotion, the M1 decode 294 against 299-301 (docs/PERF.md session 11).
   static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
@@ -325,9 +325,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // A token's four fp32 scales: the scale map's box width and a row of the
   // slot's scale block.
   static constexpr int kScaleRowBytes = 16;
-  // 128-byte L2 promotion, as the other formats: a TMA-only stream of M1's
-  // 656-byte rows took 160.8 µs with it against 162.2 with 256 (session 11;
-  // 163.8 against 163.4 in session 10).
+  // 128-byte L2 promotion, as the other formats: the M1 decode measured 1-2 %
+  // faster with it than with 256 in two calls (docs/PERF.md session 11), while
+  // a TMA-only stream of the 656-byte rows hardly differs (160.8 / 162.2 µs).
   static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atoms: the slot's (matching the cache map) and Q's, V^T's, P's.
   using KAtomCache = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
