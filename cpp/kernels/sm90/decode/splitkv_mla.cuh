@@ -260,8 +260,9 @@ struct SplitKvMlaKernel {
                                          int wg, int tid);
   template <class FragO>
   __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int parity, int head_k,
-                                         int wg, int tid, bool has_pages, const float (&m_ref)[4], const float (&l_part)[4],
-                                         FragO& tOrO, float logit_scale, float scale_log2, float out_scale);
+                                         int wg, int tid, bool has_pages, const float (&m_ref)[4],
+                                         const float (&l_part)[4], FragO& tOrO, float logit_scale, float scale_log2,
+                                         float out_scale);
   // Normalizes O and writes out / lse or the split partials (epilogue.cuh).
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
