@@ -406,7 +406,7 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUresult r = detail::encode_tiled_fn()(
       &map, Tr::kTmaDataType, 4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, Tr::kTmaL2Promotion,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, decode_cfg::kTmaL2Promotion,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +

@@ -58,6 +58,14 @@ inline constexpr int kNumThreads = kNumConsumerThreads + 128;
 // register given to the consumers cuts their spills next to O.
 inline constexpr int kConsumerRegs = 240;
 inline constexpr int kProducerRegs = 24;
+// L2 promotion of every cache tensor map: 128 bytes. A TMA-only stream of
+// M1's pages (scripts/tma_stream_bench.cu) ran 576-byte rows at 4.23 TB/s
+// with it against 3.87 with 256 bytes (which pulls in sectors of the next
+// boxes' rows that are evicted before those boxes ask for them) and 3.89 with
+// none; 1152-byte rows in 266.8 against 301.5 µs. The M1 decode gained 8 %
+// (fp8_per_tensor), 2 % (bf16) and 1-2 % (fp8_ds_mla, whose 656-byte rows
+// stream alike either way). docs/PERF.md sessions 10-11.
+inline constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
 // fp8_ds_mla: each consumer WG computes S for half of the page's tokens.
 inline constexpr int kBlockNPerWG = kBlockN / kNumConsumerWGs;        // 32
 // Each consumer WG owns half of O's columns ...
@@ -95,10 +103,6 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
-  // 128-byte L2 promotion, as for fp8_per_tensor's rows: a TMA-only stream
-  // of M1's 1152-byte rows took 266.8 µs with it against 301.5 with 256-byte
-  // promotion, the M1 decode 294 against 299-301 (docs/PERF.md session 11).
-  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
 
@@ -207,10 +211,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // 64-byte boxes: 576-byte rows stream as fast through them as through
   // 128-byte ones (scripts/tma_stream_bench.cu, docs/PERF.md session 10).
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
-  // 128-byte L2 promotion: M1's pages streamed through these boxes at 4.23 TB/s
-  // against 3.87 with 256-byte promotion (which fetches sectors of the next
-  // box's rows that are evicted before it asks for them), 3.89 with none.
-  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
 
@@ -325,10 +325,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // A token's four fp32 scales: the scale map's box width and a row of the
   // slot's scale block.
   static constexpr int kScaleRowBytes = 16;
-  // 128-byte L2 promotion, as the other formats: the M1 decode measured 1-2 %
-  // faster with it than with 256 in two calls (docs/PERF.md session 11), while
-  // a TMA-only stream of the 656-byte rows hardly differs (160.8 / 162.2 µs).
-  static constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // WGMMA swizzle atoms: the slot's (matching the cache map) and Q's, V^T's, P's.
   using KAtomCache = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
   using KAtomCacheRope = cute::SM90::GMMA::Layout_K_SW128_Atom<ElementRope>;
