@@ -267,13 +267,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         accumulate = true;
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
-          if constexpr (Tr::kVNeedsTranspose) {
-            // V^T_B's last reader (the last pair's P_B V_B,L) retired
-            // before this pair's S_A did.
-            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
-            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
-            fence_proxy_async_smem();
-          }
           // Early S: the next pair's S_A goes out now, while WG1 runs the
           // softmax of B, so that it has retired by the time WG0 needs it
           // (queued behind P_B V_B,L it kept WG0 waiting after kPageBReady).
@@ -282,6 +275,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             issue_s(ib + 1);
           } else if (kEarlyS) {
             warpgroup_commit_batch();  // an empty group, so that one wait_group 1 below fits both paths
+          }
+          if constexpr (Tr::kVNeedsTranspose) {
+            // V^T_B's last reader (the last pair's P_B V_B,L) retired
+            // before this pair's S_A did.
+            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
+            fence_proxy_async_smem();
           }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
