@@ -283,11 +283,21 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
             fence_proxy_async_smem();
           }
+          if constexpr (!Tr::kVNeedsTranspose) {
+            // bf16 has nothing else to do before kPageBReady: retire P_A V_A,L
+            // and hand back A's left part now (the producer loads a slot's
+            // left part first), so the next pair's A loads while WG1 runs the
+            // softmax of B rather than after it.
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            release(ia);
+          }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
-          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
-          warpgroup_wait<kEarlyS ? 1 : 0>();  // P_A V_A,L; the next S_A stays in flight
-          warpgroup_fence_operand(tOrO);
-          if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
+          if constexpr (Tr::kVNeedsTranspose) {
+            release(ib);  // S_B retired before kPageBReady
+            warpgroup_wait<kEarlyS ? 1 : 0>();  // P_A V_A,L; the next S_A stays in flight
+            warpgroup_fence_operand(tOrO);
+          }
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
