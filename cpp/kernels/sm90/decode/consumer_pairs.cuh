@@ -267,15 +267,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         accumulate = true;
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
-          // Early S: the next pair's S_A goes out now, while WG1 runs the
-          // softmax of B, so that it has retired by the time WG0 needs it
-          // (queued behind P_B V_B,L it kept WG0 waiting after kPageBReady).
-          const bool s_ahead = kEarlyS && has_next;
-          if (s_ahead) {
-            issue_s(ib + 1);
-          } else if (kEarlyS) {
-            warpgroup_commit_batch();  // an empty group, so that one wait_group 1 below fits both paths
-          }
           if constexpr (Tr::kVNeedsTranspose) {
             // V^T_B's last reader (the last pair's P_B V_B,L) retired
             // before this pair's S_A did.
@@ -283,25 +274,17 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
             fence_proxy_async_smem();
           }
-          if constexpr (!Tr::kVNeedsTranspose) {
-            // bf16 has nothing else to do before kPageBReady: retire P_A V_A,L
-            // and hand back A's left part now (the producer loads a slot's
-            // left part first), so the next pair's A loads while WG1 runs the
-            // softmax of B rather than after it.
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            release(ia);
-          }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
-          if constexpr (Tr::kVNeedsTranspose) {
-            release(ib);  // S_B retired before kPageBReady
-            warpgroup_wait<kEarlyS ? 1 : 0>();  // P_A V_A,L; the next S_A stays in flight
-            warpgroup_fence_operand(tOrO);
-          }
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
-          if (!s_ahead) {
+          if (kEarlyS && has_next) {
+            issue_s(ib + 1);
+          } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
