@@ -231,7 +231,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kLazyRescaleLog2 = 8;
   // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
   // spilled 8 B here, next to S and O.
-  static constexpr int kTransposeBatch = 8;
+  static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
