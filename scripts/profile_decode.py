@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax_flash_mla as fm  # noqa: E402
 from jax_flash_mla.bench import SHAPES  # noqa: E402
 from jax_flash_mla.formats import HEAD_DIM_QK, PAGE_SIZE  # noqa: E402
+from jax_flash_mla.scheduler import ROWS_PER_TILE  # noqa: E402
 
 
 def main() -> int:
@@ -57,8 +58,11 @@ def main() -> int:
         implementation=args.implementation, **kw))
     for _ in range(args.calls):
         out, lse = jax.block_until_ready(decode(q, cache, block_table, lengths, meta, kwargs))
+    # Page tiles of one launch: every page of every sequence, once per row tile of the (single) KV head's rows.
+    page_tiles = b * pages * -(-shape.seqlen_q * shape.heads_q // ROWS_PER_TILE)
     print(f"profile_decode {args.format} {args.shape} b={b} s_k={args.seqlen}: "
-          f"sum|out|={float(jnp.abs(out.astype(jnp.float32)).sum()):.6e} finite={bool(jnp.isfinite(lse).all())}")
+          f"sum|out|={float(jnp.abs(out.astype(jnp.float32)).sum()):.6e} finite={bool(jnp.isfinite(lse).all())} "
+          f"page_tiles={page_tiles}")
     return 0 if np.isfinite(float(jnp.abs(out.astype(jnp.float32)).sum())) else 1
 
 
