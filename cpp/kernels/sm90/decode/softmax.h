@@ -8,9 +8,9 @@
 // reductions are a per-thread pass plus two xor-shuffles.
 //
 // Numerics: scores stay in raw q.k units; exp(scale * (s - m)) is computed as
-// exp2(s * scale_log2 - m * scale_log2) with one FFMA + EX2 (exp2_ftz). A row
-// that has seen no key keeps m = -inf; its exponent base is taken as 0 so
-// masked scores (-inf) give exp2(-inf) = 0 instead of NaN.
+// exp2(s * scale_log2 - m * scale_log2) with one FFMA + EX2. A row that has
+// seen no key keeps m = -inf; its exponent base is taken as 0 so masked
+// scores (-inf) give exp2(-inf) = 0 instead of NaN.
 #pragma once
 
 #include <cmath>
@@ -30,26 +30,6 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 }
 
 __device__ __forceinline__ int fragment_row_half(int v) { return (v >> 1) & 1; }
-
-// 2^x on the SFU alone (ex2.approx.ftz). exp2f without --use_fast_math wraps
-// the same EX2 in a range test and two predicated multiplies, to return
-// subnormal results below 2^-126, which no caller needs: such a probability
-// is 0 in e4m3 and below every fp32 row sum it joins (a row's sum is >= 1),
-// and such a rescale factor leaves less than 2^-126 of what it scales.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// 1 / x on the SFU alone (rcp.approx.ftz): exact for the powers of two it is
-// used on (fp8_ds_mla's group normalizers), without __fdividef's guard for
-// divisors near the top of the range.
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Row maxima of a score fragment over this quad's columns (both row halves).
 template <class Frag>
@@ -78,7 +58,7 @@ __device__ __forceinline__ float move_reference(float& ref, float page_max, floa
   // (From -inf the difference is +inf: the first key always sets it.)
   if (kLazyRescaleLog2 > 0 && (new_max - ref) * scale_log2 <= float(kLazyRescaleLog2)) new_max = ref;
   // exp2(-inf) = 0 when the old max was -inf (the accumulator is still 0).
-  const float o_scale = new_max == -INFINITY ? 1.f : exp2_ftz((ref - new_max) * scale_log2);
+  const float o_scale = new_max == -INFINITY ? 1.f : exp2f((ref - new_max) * scale_log2);
   base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
   ref = new_max;
   return o_scale;
@@ -114,7 +94,7 @@ struct OnlineSoftmaxState {
     CUTE_UNROLL
     for (int v = 0; v < cute::size(s); ++v) {
       const int h = fragment_row_half(v);
-      const float p = exp2_ftz(fmaf(s(v), scale_log2, -base[h]));
+      const float p = exp2f(fmaf(s(v), scale_log2, -base[h]));
       s(v) = p;
       sum[h] += p;
     }
