@@ -31,31 +31,17 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 
 __device__ __forceinline__ int fragment_row_half(int v) { return (v >> 1) & 1; }
 
-// Reduces one row half of a fragment (values v with fragment_row_half(v) == h)
-// by `op` as a pairwise tree: log2(N/2) dependent steps instead of N/2, which
-// matters for the softmax's latency-bound chains (the compiler keeps the order
-// it is given for floats).
-template <class Frag, class Op>
-__device__ __forceinline__ float row_half_tree(const Frag& s, int h, Op op) {
-  constexpr int kHalf = decltype(cute::size(s))::value / 2;
-  static_assert((kHalf & (kHalf - 1)) == 0, "a power of two per row half");
-  float x[kHalf];
-  CUTE_UNROLL
-  for (int i = 0; i < kHalf; ++i) x[i] = s(4 * (i / 2) + 2 * h + i % 2);  // the half's i-th value
-  CUTE_UNROLL
-  for (int stride = 1; stride < kHalf; stride *= 2) {
-    CUTE_UNROLL
-    for (int i = 0; i + stride < kHalf; i += 2 * stride) x[i] = op(x[i], x[i + stride]);
-  }
-  return x[0];
-}
-
 // Row maxima of a score fragment over this quad's columns (both row halves).
 template <class Frag>
 __device__ __forceinline__ void row_max(const Frag& s, float (&m)[2]) {
-  auto max_op = [](float a, float b) { return fmaxf(a, b); };
-  m[0] = quad_allreduce_max(row_half_tree(s, 0, max_op));
-  m[1] = quad_allreduce_max(row_half_tree(s, 1, max_op));
+  m[0] = m[1] = -INFINITY;
+  CUTE_UNROLL
+  for (int v = 0; v < cute::size(s); ++v) {
+    const int h = fragment_row_half(v);
+    m[h] = fmaxf(m[h], s(v));
+  }
+  m[0] = quad_allreduce_max(m[0]);
+  m[1] = quad_allreduce_max(m[1]);
 }
 
 // Moves a running reference maximum `ref` (raw-score units, -inf until a
@@ -106,10 +92,12 @@ struct OnlineSoftmaxState {
       sum[h] *= o_scale[h];
     }
     CUTE_UNROLL
-    for (int v = 0; v < cute::size(s); ++v) s(v) = exp2f(fmaf(s(v), scale_log2, -base[fragment_row_half(v)]));
-    auto add_op = [](float a, float b) { return a + b; };
-    sum[0] += row_half_tree(s, 0, add_op);
-    sum[1] += row_half_tree(s, 1, add_op);
+    for (int v = 0; v < cute::size(s); ++v) {
+      const int h = fragment_row_half(v);
+      const float p = exp2f(fmaf(s(v), scale_log2, -base[h]));
+      s(v) = p;
+      sum[h] += p;
+    }
   }
 };
 
