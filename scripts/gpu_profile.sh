@@ -2,7 +2,7 @@
 # Nsight Compute on the decode kernel, per format: where its warps stall, instruction by instruction.
 # Run on the GPU machine from the repo root, after scripts/build_carry.sh here and with carry=[".carry"]:
 #   FORMATS="fp8_ds_mla fp8_per_tensor" SHAPE=M1 bash scripts/gpu_profile.sh
-# For each format, $OUT gets <format>_details.csv (speed of light, warp states, scheduler) and <format>_sass.csv
+# For each format, $OUT gets <format>_details.csv (the metrics of the sections below) and <format>_sass.csv
 # (the SASS with its stall samples; read it with scripts/stall_report.py). One launch of splitkv_mla is profiled
 # (the second call's: the first one compiles), at batch $BATCH and s_k $SEQLEN (the per-page work is the shape's).
 # SECTIONS (default "SpeedOfLight WarpStateStats SourceCounters") picks the ncu sections. Session 12 at C1: seven

@@ -64,7 +64,7 @@ def print_mix(rows, tiles):
         if not words:
             continue
         op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]  # past a predicate
-        by_op[op.split(".")[0]] += int((r["Instructions Executed"] or "0").replace(",", ""))
+        by_op[op.split(".")[0]] += int((r.get("Instructions Executed") or "0").replace(",", ""))
     total = sum(by_op.values())
     print(f"executed warp instructions per page tile: {total / tiles:.0f} (" +
           ", ".join(f"{op} {n / tiles:.0f}" for op, n in by_op.most_common(16)) + ")")
