@@ -150,7 +150,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const float m = ref[rows[h]];
-      factor[h] = m == -INFINITY ? 1.f : exp2f((softmax.max[h] - m) * scale_log2);
+      factor[h] = m == -INFINITY ? 1.f : exp2_ftz((softmax.max[h] - m) * scale_log2);
       softmax.max[h] = m;
       softmax.sum[h] *= factor[h];
     }
@@ -354,6 +354,186 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     }
     // Nothing is in flight here; ptxas cannot tell (it would serialize every
     // WGMMA, C7514), so say it.
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
+  }
+}
+
+}  // namespace jax_flash_mla::sm90
+
+namespace jax_flash_mla::sm90 {
+
+// fp8_per_tensor: page pairs whose two softmaxes run at the same time. WG0
+// computes S_A, WG1 S_B; both publish their pages' row maxima (kMaxReady),
+// both take the pair's common reference from the running one and the two
+// maxima (the same lazy rule, the same inputs, so the same result in both
+// WGs), turn their S into P against it and publish P (kPReady); each WG then
+// accumulates both pages into its half of O behind one rescale:
+//   O_w = O_w e^(m - m') + P_A V_A,w + P_B V_B,w
+// In consumer() the softmax of B waits for the one of A (m_B chains off m_A),
+// so a pair paid for two softmaxes one after the other. Per pair and WG:
+//   wait S_mine -> row max -> [kMaxReady] -> P_mine -> [kPReady] -> rescale O
+//   -> P_A V_A,w, P_B V_B,w, S of the next pair's page (three commit groups)
+//   -> wait 2: V^T_A,w of the next pair -> wait 1: V^T_B,w of the next pair
+// Every wait refers to groups of the same iteration but the last S, which the
+// next iteration's wait_group 0 retires (a wait_group 1 over groups carried
+// around the loop makes ptxas serialize every WGMMA, C7514).
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_exchange(const SplitKvArgs& args, Plan& plan,
+                                                                     const SchedMeta& meta, int head_k, int m_block,
+                                                                     int wg, int tid) {
+  using namespace cute;
+  static_assert(Tr::kVNeedsTranspose && Tr::kNumPTiles == 2, "V^T tiles and a P tile per page of the pair");
+  const DecodeParams& p = args.params;
+  typename Tr::TiledMmaQK mma_qk;
+  typename Tr::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  const int ctid = wg * 128 + tid;
+  const int lane = tid % 32;
+  // Logits are softmax_scale * descale_q * descale_k * q.k; the output
+  // carries descale_k (V shares K's scale).
+  const float out_scale = __ldg(p.descale_k);
+  const float descale_qk = __ldg(p.descale_q) * out_scale;
+  const float logit_scale = p.softmax_scale * descale_qk;
+  const float scale_log2 = p.softmax_scale_log2 * descale_qk;
+
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
+  const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
+  constexpr int kSteps = decltype(size<2>(tSrQ))::value;
+  constexpr int kLeftSteps = kSteps * decode_cfg::kLeftSlabs / decode_cfg::kSlabs;
+
+  auto stage_of = [](int i) { return i % Tr::kNumStages; };
+  auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
+  auto release = [&](int i) {  // this WG's part of page i's slot
+    __syncwarp();
+    mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
+  };
+  auto p_tile = [&](int page_role) {
+    return make_tensor(make_smem_ptr(plan.p[page_role]), typename Tr::SmemLayoutP{});
+  };
+  // S = Q K^T of page i, the left part's k-steps first (as consumer()).
+  auto issue_s = [&](int i) __attribute__((always_inline)) {
+    Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);
+    warpgroup_fence_operand(tSrS);
+    mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
+    warpgroup_arrive();
+    wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
+    mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
+    warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
+    wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
+    warpgroup_commit_batch();
+  };
+  // O_w (+)= P V_w of the pair's page `page_role`, its own commit group.
+  auto issue_pv = [&](int page_role, bool accumulate) __attribute__((always_inline)) {
+    Tensor sV = make_tensor(make_smem_ptr(plan.vt[page_role]), typename Tr::SmemLayoutV{});
+    wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)),
+                thr_pv.partition_fragment_B(
+                    local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0))),
+                tOrO, accumulate);
+  };
+  // This WG's channel half of page i's V^T (page_role 0: A, 1: B), from its part of the slot.
+  auto transpose = [&](int i, int page, int page_role, const Chunk& c) {
+    mbarrier_wait(&plan.k_full[stage_of(i)][wg], phase_of(i));
+    transpose_v<Tr>(plan.k[stage_of(i)], plan.vt[page_role], plan.zeros, wg, tid, c.end_token - page * kBlockN);
+  };
+  auto rescale_o = [&](const float (&factor)[2]) {
+    if (factor[0] != 1.f || factor[1] != 1.f) {
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= factor[fragment_row_half(v)];
+    }
+  };
+
+  int it = 0;  // pages consumed by this CTA, across chunks (ring position)
+  for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
+    const Chunk c = make_chunk(p, meta, b);
+    load_q(p, plan, c.batch, head_k, m_block, ctid);
+
+    int limit[2];
+    const int min_limit = visible_limits(p, c, c.seqlen, m_block, rows, limit);
+    OnlineSoftmaxState softmax;  // max: the pair's common reference, the same in both WGs
+    softmax.reset();
+    bool accumulate = false;  // the chunk's first P V writes O (scale-d 0)
+
+    const int page_begin = c.first_page(), page_end = c.end_page();
+    // The first pair: this WG's S, then its half of both pages' V^T (their
+    // last readers, the previous chunk's P V, retired before its epilogue).
+    if (page_begin + wg < page_end) issue_s(it + wg);
+    if (page_begin < page_end) {
+      transpose(it, page_begin, 0, c);
+      if (page_begin + 1 < page_end) transpose(it + 1, page_begin + 1, 1, c);
+      fence_proxy_async_smem();
+    }
+    for (int page = page_begin; page < page_end; page += 2) {
+      const bool has_b = page + 1 < page_end;
+      const bool mine = wg == 0 || has_b;  // WG1 has no page in a last pair without B
+      const int ia = it;
+      it += has_b ? 2 : 1;
+      const int i_mine = ia + wg;
+      warpgroup_wait<0>();  // this WG's S of the pair (and its P V of the last pair)
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tOrO);
+      // My part of my page: its S and my V^T transpose of it are done.
+      if (mine) release(i_mine);
+      float page_max[2] = {-INFINITY, -INFINITY};
+      if (mine) {
+        if ((page + wg) * kBlockN + kBlockN > min_limit) mask_invisible(tSrS, tScS, (page + wg) * kBlockN, limit);
+        row_max(tSrS, page_max);
+      }
+      if ((lane & 3) == 0) {
+        plan.ref_max[wg][rows[0]] = page_max[0];
+        plan.ref_max[wg][rows[1]] = page_max[1];
+      }
+      named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
+      // The other WG's S of its page has retired too: my part of its slot is free.
+      if (wg == 0 ? has_b : true) release(wg == 0 ? ia + 1 : ia);
+      float pair_max[2], factor[2];
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) pair_max[h] = fmaxf(page_max[h], plan.ref_max[wg ^ 1][rows[h]]);
+      if (mine) {
+        softmax.template update<Tr::kLazyRescaleLog2>(tSrS, pair_max, scale_log2, factor);
+        store_p_e4m3<Tr, kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(wg).data())), tid / 32, lane, tSrS,
+                                       [](int) { return 1.f; }, 0);
+      } else {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          float base;
+          factor[h] = move_reference<Tr::kLazyRescaleLog2>(softmax.max[h], pair_max[h], scale_log2, base);
+          softmax.sum[h] *= factor[h];
+        }
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+      rescale_o(factor);
+      issue_pv(0, accumulate);
+      accumulate = true;
+      if (has_b) {
+        issue_pv(1, true);
+      } else {
+        warpgroup_commit_batch();  // empty: the waits below count three groups on every path
+      }
+      // The next pair: my page's S, then my half of its V^T tiles as each
+      // tile's last P V retires.
+      const bool has_next = page + 2 < page_end;
+      const bool next_has_b = page + 3 < page_end;
+      if (has_next && (wg == 0 || next_has_b)) {
+        issue_s(it + wg);
+      } else {
+        warpgroup_commit_batch();
+      }
+      warpgroup_wait<2>();  // P_A V_A,w
+      if (has_next) transpose(it, page + 2, 0, c);
+      warpgroup_wait<1>();  // P_B V_B,w
+      if (next_has_b) transpose(it + 1, page + 3, 1, c);
+      fence_proxy_async_smem();
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
