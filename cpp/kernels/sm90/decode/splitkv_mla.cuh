@@ -243,9 +243,6 @@ struct SplitKvMlaKernel {
   // bf16 / fp8_per_tensor: page pairs (consumer_pairs.cuh).
   __device__ static void consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k, int m_block,
                                   int wg, int tid);
-  // fp8_per_tensor (consumer_pairs.cuh): page pairs with both softmaxes at once.
-  __device__ static void consumer_exchange(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
-                                           int m_block, int wg, int tid);
   // fp8_ds_mla (consumer_ds.cuh): the quantizing Q prologue, a token's scale
   // address in a slot, and the per-page split consumer.
   __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid);
@@ -331,11 +328,7 @@ struct SplitKvMlaKernel {
         // The warpgroup index through a shuffle, so that ptxas knows it is
         // warp-uniform: WGMMAs in flight across branches on it would otherwise
         // be serialized (C7518 / C7520).
-        if constexpr (Tr::kVNeedsTranspose) {
-          consumer_exchange(args, plan, meta, head_k, m_block, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
-        } else {
-          consumer(args, plan, meta, head_k, m_block, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
-        }
+        consumer(args, plan, meta, head_k, m_block, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
