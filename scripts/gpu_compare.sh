@@ -11,7 +11,8 @@
 # out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
 # RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150);
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
-# default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases).
+# default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
+# spaces, so no argument may contain one: "-m 'not few_rows'" does not work).
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

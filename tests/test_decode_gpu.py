@@ -110,7 +110,8 @@ def _format_param(kv_format):
 
 FORMATS = [_format_param(f) for f in TOLS]
 
-# Query rows per KV head up to which the FP8 formats run their few-rows kernel (the launcher's choice).
+# Query rows per KV head up to which the FP8 formats run their few-rows kernel (Traits::kNarrowRows, which the
+# launcher compares with q_rows_per_head_k).
 FEW_ROWS = 16
 # `-m few_rows` selects the cases of that kernel.
 few_rows = pytest.mark.few_rows
