@@ -63,10 +63,11 @@ for i in "${!builds[@]}"; do
     > "$logs/bench_$name.log" 2>&1
   line+=" bench rc=$?"
   summary+=("$line")
-  # Columns: loop median (us), and with --trace the decode's span (last column).
+  # Columns: loop median (us), and with --trace the decode's span (last column). Printed as they come too, so that a
+  # call cut short by its time limit still shows the builds it finished.
   grep -E "^(M1|C1|C2|VL) " "$logs/bench_$name.log" \
     | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (NF >= 7 ? $7 : "-")}' \
-    >> "$logs/table.txt"
+    | tee -a "$logs/table.txt"
 done
 
 echo
