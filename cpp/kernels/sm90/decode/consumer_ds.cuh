@@ -356,7 +356,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        const float f = __fdividef(Tr::kPNormalizer, norm[g]);  // MUFU.RCP: exact when N_g is a power of two
+        const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact: N_g is a power of two
         CUTE_UNROLL
         for (int j = 0; j < 8; ++j) ksc[j][g] *= f;
       }

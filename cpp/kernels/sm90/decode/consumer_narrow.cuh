@@ -233,7 +233,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         CUTE_UNROLL
         for (int g = 0; g < 4; ++g) {
           const float grown = fmaxf(norm[g], n[g]);
-          shrink[g] = norm[g] / grown;  // exact for power-of-two scales; unused on the WG's first page
+          // Exact for power-of-two scales (1 ulp otherwise), exactly 1 for an unchanged N_g; unused on the WG's
+          // first page.
+          shrink[g] = grown == norm[g] ? 1.f : norm[g] * rcp_ftz(grown);
           norm[g] = grown;
         }
       }
@@ -312,7 +314,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
       float p_of[8];
       CUTE_UNROLL
       for (int v = 0; v < 8; ++v) {
-        p_of[v] = exp2f(fmaf(tSrS(v), scale_log2, -base[col_index(v)]));
+        p_of[v] = exp2_ftz(fmaf(tSrS(v), scale_log2, -base[col_index(v)]));
         l_part[col_index(v)] += p_of[v];
       }
       auto store_pt = [&](uint32_t tile, auto scale_of) {
@@ -328,7 +330,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
       if constexpr (kGroups) {
         CUTE_UNROLL
         for (int g = 0; g < 4; ++g) {
-          const float f = __fdividef(Tr::kPNormalizer, norm[g]);  // exact: N_g is a power of two
+          const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact: N_g is a power of two
           store_pt(smem_addr(plan.p[wg][g][parity]), [&](int v) { return tok_scales[(v >> 1) & 1][g] * f; });
         }
       } else {
@@ -426,8 +428,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
     const int col = col_of(k4);
     const float m_own = x.m[parity][wg][col], m_other = x.m[parity][1 - wg][col];
     const float m = fmaxf(m_own, m_other);
-    a_own[k4] = m_own == -INFINITY ? 0.f : exp2f((m_own - m) * scale_log2);
-    a_other[k4] = m_other == -INFINITY ? 0.f : exp2f((m_other - m) * scale_log2);
+    a_own[k4] = m_own == -INFINITY ? 0.f : exp2_ftz((m_own - m) * scale_log2);
+    a_other[k4] = m_other == -INFINITY ? 0.f : exp2_ftz((m_other - m) * scale_log2);
     float l_own = 0.f, l_other = 0.f;
     CUTE_UNROLL
     for (int w = 0; w < 4; ++w) {

@@ -150,7 +150,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const float m = ref[rows[h]];
-      factor[h] = m == -INFINITY ? 1.f : exp2f((softmax.max[h] - m) * scale_log2);
+      factor[h] = m == -INFINITY ? 1.f : exp2_ftz((softmax.max[h] - m) * scale_log2);
       softmax.max[h] = m;
       softmax.sum[h] *= factor[h];
     }

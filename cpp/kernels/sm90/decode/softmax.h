@@ -8,9 +8,9 @@
 // reductions are a per-thread pass plus two xor-shuffles.
 //
 // Numerics: scores stay in raw q.k units; exp(scale * (s - m)) is computed as
-// exp2(s * scale_log2 - m * scale_log2) with one FFMA + EX2. A row that has
-// seen no key keeps m = -inf; its exponent base is taken as 0 so masked
-// scores (-inf) give exp2(-inf) = 0 instead of NaN.
+// exp2(s * scale_log2 - m * scale_log2) with one FFMA + EX2 (exp2_ftz). A row
+// that has seen no key keeps m = -inf; its exponent base is taken as 0 so
+// masked scores (-inf) give exp2(-inf) = 0 instead of NaN.
 #pragma once
 
 #include <cmath>
@@ -31,17 +31,51 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 
 __device__ __forceinline__ int fragment_row_half(int v) { return (v >> 1) & 1; }
 
+// 2^x on the SFU alone (ex2.approx.ftz). exp2f without --use_fast_math wraps
+// the same EX2 in a range test and two predicated multiplies, to return
+// subnormal results below 2^-126, which no caller needs: such a probability
+// is 0 in e4m3 and below every fp32 row sum it joins (a row's sum is >= 1),
+// and such a rescale factor leaves less than 2^-126 of what it scales.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1 / x on the SFU alone (rcp.approx.ftz): exact for the powers of two it is
+// used on (fp8_ds_mla's group normalizers), without __fdividef's guard for
+// divisors near the top of the range.
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Reduces one row half of a fragment (values v with fragment_row_half(v) == h)
+// by `op` as a pairwise tree: log2(N/2) dependent steps instead of N/2, which
+// matters for the softmax's latency-bound chains (the compiler keeps the order
+// it is given for floats).
+template <class Frag, class Op>
+__device__ __forceinline__ float row_half_tree(const Frag& s, int h, Op op) {
+  constexpr int kHalf = decltype(cute::size(s))::value / 2;
+  static_assert((kHalf & (kHalf - 1)) == 0, "a power of two per row half");
+  float x[kHalf];
+  CUTE_UNROLL
+  for (int i = 0; i < kHalf; ++i) x[i] = s(4 * (i / 2) + 2 * h + i % 2);  // the half's i-th value
+  CUTE_UNROLL
+  for (int stride = 1; stride < kHalf; stride *= 2) {
+    CUTE_UNROLL
+    for (int i = 0; i + stride < kHalf; i += 2 * stride) x[i] = op(x[i], x[i + stride]);
+  }
+  return x[0];
+}
+
 // Row maxima of a score fragment over this quad's columns (both row halves).
 template <class Frag>
 __device__ __forceinline__ void row_max(const Frag& s, float (&m)[2]) {
-  m[0] = m[1] = -INFINITY;
-  CUTE_UNROLL
-  for (int v = 0; v < cute::size(s); ++v) {
-    const int h = fragment_row_half(v);
-    m[h] = fmaxf(m[h], s(v));
-  }
-  m[0] = quad_allreduce_max(m[0]);
-  m[1] = quad_allreduce_max(m[1]);
+  auto max_op = [](float a, float b) { return fmaxf(a, b); };
+  m[0] = quad_allreduce_max(row_half_tree(s, 0, max_op));
+  m[1] = quad_allreduce_max(row_half_tree(s, 1, max_op));
 }
 
 // Moves a running reference maximum `ref` (raw-score units, -inf until a
@@ -58,7 +92,7 @@ __device__ __forceinline__ float move_reference(float& ref, float page_max, floa
   // (From -inf the difference is +inf: the first key always sets it.)
   if (kLazyRescaleLog2 > 0 && (new_max - ref) * scale_log2 <= float(kLazyRescaleLog2)) new_max = ref;
   // exp2(-inf) = 0 when the old max was -inf (the accumulator is still 0).
-  const float o_scale = new_max == -INFINITY ? 1.f : exp2f((ref - new_max) * scale_log2);
+  const float o_scale = new_max == -INFINITY ? 1.f : exp2_ftz((ref - new_max) * scale_log2);
   base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
   ref = new_max;
   return o_scale;
@@ -92,12 +126,10 @@ struct OnlineSoftmaxState {
       sum[h] *= o_scale[h];
     }
     CUTE_UNROLL
-    for (int v = 0; v < cute::size(s); ++v) {
-      const int h = fragment_row_half(v);
-      const float p = exp2f(fmaf(s(v), scale_log2, -base[h]));
-      s(v) = p;
-      sum[h] += p;
-    }
+    for (int v = 0; v < cute::size(s); ++v) s(v) = exp2_ftz(fmaf(s(v), scale_log2, -base[fragment_row_half(v)]));
+    auto add_op = [](float a, float b) { return a + b; };
+    sum[0] += row_half_tree(s, 0, add_op);
+    sum[1] += row_half_tree(s, 1, add_op);
   }
 };
 
