@@ -5,7 +5,7 @@
 // and that + 8, and N/4 columns of each (PTX ISA "Matrix fragments for
 // wgmma.mma_async ... D"). Value v of the fragment belongs to row half
 // (v >> 1) & 1, so a row is spread over the 4 threads of a quad: row
-// reductions are a per-thread pass plus two xor-shuffles.
+// reductions are a per-thread pairwise tree plus two xor-shuffles.
 //
 // Numerics: scores stay in raw q.k units; exp(scale * (s - m)) is computed as
 // exp2(s * scale_log2 - m * scale_log2) with one FFMA + EX2 (exp2_ftz). A row
