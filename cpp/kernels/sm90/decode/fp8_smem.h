@@ -87,16 +87,18 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 // The loads are conflict-free too (8 consecutive tokens of one swizzle
 // unit). The writer's fence.proxy.async and a barrier both WGs pass (a
 // page-ready barrier, or kPReady) order the stores before the P V WGMMA.
+// transpose_v_channels does one warp's share: the 64 channels from
+// `warp_channels` (a multiple of 64) of all 64 tokens.
 template <class Tr>
-__device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
-                                            const typename Tr::Element* zeros, int wg, int tid, int valid) {
+__device__ __forceinline__ void transpose_v_channels(const typename Tr::Element* k_slot, typename Tr::Element* vt,
+                                                     const typename Tr::Element* zeros, int warp_channels, int lane,
+                                                     int valid) {
   static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
   const typename Tr::SmemLayoutK layout_k{};
   const typename Tr::SmemLayoutV layout_vt{};
   const uint32_t k_base = smem_addr(k_slot);
   const uint32_t vt_base = smem_addr(vt);
   const uint32_t zero_row = smem_addr(zeros);
-  const int lane = tid % 32;
   const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
   const int ld_token = 8 * (m % 2) + r;
   const int ld_channel = 16 * (m / 2);
@@ -106,7 +108,6 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   const bool lane_odd_first = lane / 4 >= 4;
   const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
   const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
-  const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
   // Blocks go in batches: the batch's ldmatrix are issued back to back
   // before its first PRMT, so their latencies overlap (one block at a time,
   // every PRMT waited on its own ldmatrix: the top short-scoreboard stall of
@@ -145,6 +146,12 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
                    : "memory");
     }
   }
+}
+
+template <class Tr>
+__device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
+                                            const typename Tr::Element* zeros, int wg, int tid, int valid) {
+  transpose_v_channels<Tr>(k_slot, vt, zeros, wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64, tid % 32, valid);
 }
 
 }  // namespace jax_flash_mla::sm90

@@ -113,6 +113,13 @@ __device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Sche
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) f(make_chunk(p, meta, b));
 }
 
+// Traits::kProducerTransposes where a format declares it, else false.
+template <class Tr, class = void>
+struct ProducerTransposes : std::false_type {};
+template <class Tr>
+struct ProducerTransposes<Tr, std::void_t<decltype(Tr::kProducerTransposes)>>
+    : std::bool_constant<Tr::kProducerTransposes> {};
+
 // kNarrow: the few-query-rows variant (consumer_narrow.cuh), on the format's
 // NarrowTraits (its own shared-memory plan and stage count).
 template <config::KvFormat kFormat, bool kNarrow = false>
@@ -123,6 +130,11 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
+  // The producer WG's warps 1-3 transpose V (transposer); they need more
+  // registers than the TMA lane: 2 x 128 x 240 + 128 x 32 = 65536.
+  static constexpr bool kProducerTransposes = !kNarrow && ProducerTransposes<Tr>::value;
+  static constexpr int kTransposerWarps = 3;
+  static constexpr int kProducerRegs = kProducerTransposes ? 32 : decode_cfg::kProducerRegs;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -157,6 +169,38 @@ struct SplitKvMlaKernel {
             load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
+      }
+    });
+  }
+
+  // ------------------------------------------------------------- transposer
+  // kProducerTransposes: warp `twarp` (0-2) of the producer WG walks the same
+  // pages and writes V^T of each into buffer it & 1 (64-channel blocks twarp,
+  // twarp + 3, ...), with zeros for tokens past the chunk, once the page has
+  // landed and that buffer's last P V WGMMAs retired (vt_empty). It then
+  // hands both parts of the K slot back (k_empty counts its warps too) and
+  // publishes V^T (vt_full), each lane's stores fenced for the async proxy.
+  __device__ static void transposer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int twarp,
+                                    int lane) {
+    const DecodeParams& p = args.params;
+    int it = 0;
+    for_each_chunk(p, meta, [&](const Chunk& c) {
+      for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
+        const int stage = it % Tr::kNumStages;
+        const uint32_t phase = (it / Tr::kNumStages) & 1;
+        const int buf = it & 1;
+        mbarrier_wait(&plan.vt_empty[buf], ((it >> 1) & 1) ^ 1);
+        mbarrier_wait(&plan.k_full[stage][0], phase);
+        mbarrier_wait(&plan.k_full[stage][1], phase);
+        const int valid = c.end_token - page * kBlockN;
+        for (int block = twarp; block < decode_cfg::kHeadDimV / 64; block += kTransposerWarps) {
+          transpose_v_channels<Tr>(plan.k[stage], plan.vt[buf], plan.zeros, block * 64, lane, valid);
+        }
+        fence_proxy_async_smem();
+        __syncwarp();
+        mbarrier_arrive_if(&plan.k_empty[stage][0], lane == 0);
+        mbarrier_arrive_if(&plan.k_empty[stage][1], lane == 0);
+        mbarrier_arrive_if(&plan.vt_full[buf], lane == 0);
       }
     });
   }
@@ -290,8 +334,15 @@ struct SplitKvMlaKernel {
           mbarrier_init(&plan.k_empty[s], kNarrow ? 4 : kConsumers / 32);
         } else {
           for (int part = 0; part < 2; ++part) {
-            mbarrier_init(&plan.k_empty[s][part], 4);  // the 4 warps of the part's warpgroup
+            // The 4 warps of the part's warpgroup (and the transposer's).
+            mbarrier_init(&plan.k_empty[s][part], 4 + (kProducerTransposes ? kTransposerWarps : 0));
           }
+        }
+      }
+      if constexpr (kProducerTransposes) {
+        for (int b = 0; b < 2; ++b) {
+          mbarrier_init(&plan.vt_full[b], kTransposerWarps);
+          mbarrier_init(&plan.vt_empty[b], kConsumers / 32);
         }
       }
       fence_mbarrier_init();
@@ -331,8 +382,11 @@ struct SplitKvMlaKernel {
         consumer(args, plan, meta, head_k, m_block, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       }
     } else {
-      cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
+      if constexpr (kProducerTransposes) {
+        if (warp > kConsumers / 32) transposer(args, plan, meta, warp - kConsumers / 32 - 1, threadIdx.x % 32);
+      }
     }
   }
 };
