@@ -190,16 +190,24 @@ struct SplitKvMlaKernel {
         const uint32_t phase = (it / Tr::kNumStages) & 1;
         const int buf = it & 1;
         mbarrier_wait(&plan.vt_empty[buf], ((it >> 1) & 1) ^ 1);
-        mbarrier_wait(&plan.k_full[stage][0], phase);
-        mbarrier_wait(&plan.k_full[stage][1], phase);
+        if constexpr (Tr::kScaleGroups) {
+          mbarrier_wait(&plan.k_full[stage], phase);
+        } else {
+          mbarrier_wait(&plan.k_full[stage][0], phase);
+          mbarrier_wait(&plan.k_full[stage][1], phase);
+        }
         const int valid = c.end_token - page * kBlockN;
         for (int block = twarp; block < decode_cfg::kHeadDimV / 64; block += kTransposerWarps) {
           transpose_v_channels<Tr>(plan.k[stage], plan.vt[buf], plan.zeros, block * 64, lane, valid);
         }
         fence_proxy_async_smem();
         __syncwarp();
-        mbarrier_arrive_if(&plan.k_empty[stage][0], lane == 0);
-        mbarrier_arrive_if(&plan.k_empty[stage][1], lane == 0);
+        if constexpr (Tr::kScaleGroups) {
+          mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
+        } else {
+          mbarrier_arrive_if(&plan.k_empty[stage][0], lane == 0);
+          mbarrier_arrive_if(&plan.k_empty[stage][1], lane == 0);
+        }
         mbarrier_arrive_if(&plan.vt_full[buf], lane == 0);
       }
     });
@@ -331,7 +339,7 @@ struct SplitKvMlaKernel {
         }
         if constexpr (Tr::kScaleGroups) {
           // Every consumer warp reads every page; a narrow page has one WG.
-          mbarrier_init(&plan.k_empty[s], kNarrow ? 4 : kConsumers / 32);
+          mbarrier_init(&plan.k_empty[s], (kNarrow ? 4 : kConsumers / 32) + (kProducerTransposes ? kTransposerWarps : 0));
         } else {
           for (int part = 0; part < 2; ++part) {
             // The 4 warps of the part's warpgroup (and the transposer's).

@@ -320,6 +320,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
+  // V^T by the producer WG's spare warps, as fp8_per_tensor (consumer_ds waits for it before the next S head).
+  static constexpr bool kProducerTransposes = true;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
@@ -388,6 +390,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
+    alignas(8) uint64_t vt_full[2];   // as fp8_per_tensor's
+    alignas(8) uint64_t vt_empty[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
