@@ -134,6 +134,7 @@ struct SplitKvMlaKernel {
   // registers than the TMA lane: 2 x 128 x 240 + 128 x 32 = 65536.
   static constexpr bool kProducerTransposes = !kNarrow && ProducerTransposes<Tr>::value;
   static constexpr int kTransposerWarps = 3;
+  static constexpr int kTransposerArrivals = kProducerTransposes ? kTransposerWarps : 0;  // on every k_empty
   static constexpr int kProducerRegs = kProducerTransposes ? 32 : decode_cfg::kProducerRegs;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
@@ -339,11 +340,11 @@ struct SplitKvMlaKernel {
         }
         if constexpr (Tr::kScaleGroups) {
           // Every consumer warp reads every page; a narrow page has one WG.
-          mbarrier_init(&plan.k_empty[s], (kNarrow ? 4 : kConsumers / 32) + (kProducerTransposes ? kTransposerWarps : 0));
+          mbarrier_init(&plan.k_empty[s], (kNarrow ? 4 : kConsumers / 32) + kTransposerArrivals);
         } else {
           for (int part = 0; part < 2; ++part) {
             // The 4 warps of the part's warpgroup (and the transposer's).
-            mbarrier_init(&plan.k_empty[s][part], 4 + (kProducerTransposes ? kTransposerWarps : 0));
+            mbarrier_init(&plan.k_empty[s][part], 4 + kTransposerArrivals);
           }
         }
       }
