@@ -67,12 +67,12 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
   }
 }
 
-// Consumer WG `wg` writes V^T[c][p_column(t)] = K[t][c] for its channels
-// c in [256 wg, 256 wg + 256) and the page's 64 tokens, with zeros for tokens
+// A warp writes V^T[c][p_column(t)] = K[t][c] for its 64 channels c from
+// `warp_channels` and the page's 64 tokens, with zeros for tokens
 // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
 // and 0 * NaN = NaN in P V): their ldmatrix rows point at a 16-byte zero
-// row instead, so the code stays branch-free while this WG's S WGMMA runs.
-// Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
+// row instead, so the code stays branch-free (a consumer's S WGMMA may be in
+// flight). Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
 //   ldmatrix.x4.trans: matrix m = tokens 8 (m % 2) + 0..7 x channels
 //     16 (m / 2) + 0..15 as 8x8 b16; lane i gets, of channels c, c + 1
 //     (c = 2 (i / 4) [+ 16 for m >= 2]), tokens 2q, 2q + 1 (q = i % 4)
@@ -85,10 +85,9 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 //     16-byte bank groups (even channels only would conflict 2-way), the
 //     per-lane choice costing nothing (a PRMT selector register).
 // The loads are conflict-free too (8 consecutive tokens of one swizzle
-// unit). The writer's fence.proxy.async and a barrier both WGs pass (a
-// page-ready barrier, or kPReady) order the stores before the P V WGMMA.
-// transpose_v_channels does one warp's share: the 64 channels from
-// `warp_channels` (a multiple of 64) of all 64 tokens.
+// unit). The writer's fence.proxy.async and a barrier the reader passes (a
+// page-ready barrier, kPReady, or the transposer's vt_full) order the stores
+// before the P V WGMMA.
 template <class Tr>
 __device__ __forceinline__ void transpose_v_channels(const typename Tr::Element* k_slot, typename Tr::Element* vt,
                                                      const typename Tr::Element* zeros, int warp_channels, int lane,
@@ -148,6 +147,7 @@ __device__ __forceinline__ void transpose_v_channels(const typename Tr::Element*
   }
 }
 
+// Consumer WG `wg`'s share: channels [256 wg, 256 wg + 256), 64 per warp.
 template <class Tr>
 __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
                                             const typename Tr::Element* zeros, int wg, int tid, int valid) {
