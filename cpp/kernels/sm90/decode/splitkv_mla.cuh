@@ -131,11 +131,16 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
   // The producer WG's warps 1-3 transpose V (transposer); they need more
-  // registers than the TMA lane: 2 x 128 x 240 + 128 x 32 = 65536.
+  // registers than the TMA lane. fp8_per_tensor's consumers, which no longer
+  // transpose, fit 232 without spills (2 x 128 x 232 + 128 x 48 = 65536);
+  // fp8_ds_mla's spilled a loop counter at 232, so they keep 240 and its
+  // transposer gets 32 (a few local accesses per page).
   static constexpr bool kProducerTransposes = !kNarrow && ProducerTransposes<Tr>::value;
   static constexpr int kTransposerWarps = 3;
   static constexpr int kTransposerArrivals = kProducerTransposes ? kTransposerWarps : 0;  // on every k_empty
-  static constexpr int kProducerRegs = kProducerTransposes ? 32 : decode_cfg::kProducerRegs;
+  static constexpr int kConsumerRegs = kProducerTransposes && !Tr::kScaleGroups ? 232 : decode_cfg::kConsumerRegs;
+  static constexpr int kProducerRegs =
+      !kProducerTransposes ? decode_cfg::kProducerRegs : Tr::kScaleGroups ? 32 : 48;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -379,7 +384,7 @@ struct SplitKvMlaKernel {
     if (meta.begin_batch > meta.end_batch) return;  // empty partition
 
     if (warp < kConsumers / 32) {
-      cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       if constexpr (kNarrow) {
         consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       } else if constexpr (Tr::kScaleGroups) {
