@@ -232,6 +232,10 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
+  // The producer warpgroup's three spare warps transpose V (splitkv_mla.cuh:
+  // transposer), as FA3's FP8 kernel does, so the consumers' chains carry no
+  // transpose; V^T buffers then go by ring position (it & 1), not page role.
+  static constexpr bool kProducerTransposes = true;
   static constexpr int kNumPTiles = 2;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
@@ -251,6 +255,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
+    alignas(8) uint64_t vt_full[2];   // V^T of ring position it written (3 transposer warps)
+    alignas(8) uint64_t vt_empty[2];  // its P V WGMMAs retired (8 consumer warps)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
@@ -314,6 +320,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
+  // V^T by the producer WG's spare warps, as fp8_per_tensor (consumer_ds waits for it before the next S head).
+  static constexpr bool kProducerTransposes = true;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
@@ -382,6 +390,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
+    alignas(8) uint64_t vt_full[2];   // as fp8_per_tensor's
+    alignas(8) uint64_t vt_empty[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
