@@ -231,16 +231,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     warpgroup_commit_batch();
   };
 
-  // kProducerTransposes: V^T of ring position i comes from the transposer
-  // (vt_full) and goes back once both WGs' P V on it retired (vt_empty).
-  auto wait_vt = [&](int i) {
-    if constexpr (kProducerTransposes) mbarrier_wait(&plan.vt_full[i & 1], (i >> 1) & 1);
-  };
+  // V^T of ring position i comes from the transposer (vt_full) and goes back
+  // once this warp's share of the P V on it retired (vt_empty).
+  auto wait_vt = [&](int i) { mbarrier_wait(&plan.vt_full[i & 1], (i >> 1) & 1); };
   auto release_vt = [&](int i) {
-    if constexpr (kProducerTransposes) {
-      __syncwarp();
-      mbarrier_arrive_if(&plan.vt_empty[i & 1], lane == 0);
-    }
+    __syncwarp();
+    mbarrier_arrive_if(&plan.vt_empty[i & 1], lane == 0);
   };
 
   // begin_split_idx is re-read from global memory at the epilogue: held in a
@@ -267,9 +263,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
       const uint32_t my_scales = ds_scale_addr(slot, tok_first);
-      // The transpose while this page's S head (RoPE, group 0) and the last
-      // page's P V are in flight.
-      if constexpr (!kProducerTransposes) transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
       // All retired here: a wait_group 1 over batches carried around the page
       // loop makes ptxas serialize every WGMMA (C7514).
       warpgroup_wait<0>();

@@ -71,8 +71,7 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 // `warp_channels` and the page's 64 tokens, with zeros for tokens
 // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
 // and 0 * NaN = NaN in P V): their ldmatrix rows point at a 16-byte zero
-// row instead, so the code stays branch-free (a consumer's S WGMMA may be in
-// flight). Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
+// row instead, so the code stays branch-free. Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
 //   ldmatrix.x4.trans: matrix m = tokens 8 (m % 2) + 0..7 x channels
 //     16 (m / 2) + 0..15 as 8x8 b16; lane i gets, of channels c, c + 1
 //     (c = 2 (i / 4) [+ 16 for m >= 2]), tokens 2q, 2q + 1 (q = i % 4)
@@ -89,9 +88,8 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 // page-ready barrier, kPReady, or the transposer's vt_full) order the stores
 // before the P V WGMMA.
 template <class Tr>
-__device__ __forceinline__ void transpose_v_channels(const typename Tr::Element* k_slot, typename Tr::Element* vt,
-                                                     const typename Tr::Element* zeros, int warp_channels, int lane,
-                                                     int valid) {
+__device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
+                                            const typename Tr::Element* zeros, int warp_channels, int lane, int valid) {
   static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
   const typename Tr::SmemLayoutK layout_k{};
   const typename Tr::SmemLayoutV layout_vt{};
@@ -145,13 +143,6 @@ __device__ __forceinline__ void transpose_v_channels(const typename Tr::Element*
                    : "memory");
     }
   }
-}
-
-// Consumer WG `wg`'s share: channels [256 wg, 256 wg + 256), 64 per warp.
-template <class Tr>
-__device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
-                                            const typename Tr::Element* zeros, int wg, int tid, int valid) {
-  transpose_v_channels<Tr>(k_slot, vt, zeros, wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64, tid % 32, valid);
 }
 
 }  // namespace jax_flash_mla::sm90

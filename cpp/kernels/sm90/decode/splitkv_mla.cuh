@@ -19,15 +19,18 @@
 //   warps 8-11 (WG2)            producer: one lane walks the same chunks and
 //                               streams K pages by TMA into a kNumStages-slot ring; the
 //                               warpgroup gives its registers to the consumers.
+//                               In the 64-row FP8 kernels (kProducerTransposes)
+//                               warps 9-11 write each page's V^T (transposer).
 // Slots (bf16 / fp8_per_tensor: each of their two parts) are handed back
 // through k_empty once the WGMMAs and transposes that read them are done.
 //
 // Format differences come from Traits<kFormat>; the few code paths that
 // differ are `if constexpr` on its flags:
-//   kVNeedsTranspose (FP8 formats): FP8 WGMMA reads B only K-major, so each
-//     consumer WG transposes its 256 V channels of the page into V^T (while its
-//     S WGMMA runs) and zeroes the tokens past the chunk there, instead of
-//     zeroing them in the K slot; P is stored as e4m3 (fp8_smem.h).
+//   kVNeedsTranspose (FP8 formats): FP8 WGMMA reads B only K-major, so the
+//     64-row kernels' transposer writes V^T in shared memory, zeroing the
+//     tokens past the chunk there instead of in the K slot (the few-rows
+//     kernels build V^T fragments in registers); P is stored as e4m3
+//     (fp8_smem.h).
 //   kUsesDescale: descale_q * descale_k (device scalars) fold into the softmax
 //     scale, and descale_k multiplies the output (partials too, so the combine
 //     stays format-agnostic); lse is of the scaled logits.
@@ -113,13 +116,6 @@ __device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Sche
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) f(make_chunk(p, meta, b));
 }
 
-// Traits::kProducerTransposes where a format declares it, else false.
-template <class Tr, class = void>
-struct ProducerTransposes : std::false_type {};
-template <class Tr>
-struct ProducerTransposes<Tr, std::void_t<decltype(Tr::kProducerTransposes)>>
-    : std::bool_constant<Tr::kProducerTransposes> {};
-
 // kNarrow: the few-query-rows variant (consumer_narrow.cuh), on the format's
 // NarrowTraits (its own shared-memory plan and stage count).
 template <config::KvFormat kFormat, bool kNarrow = false>
@@ -135,7 +131,7 @@ struct SplitKvMlaKernel {
   // transpose, fit 232 without spills (2 x 128 x 232 + 128 x 48 = 65536);
   // fp8_ds_mla's spilled a loop counter at 232, so they keep 240 and its
   // transposer gets 32 (a few local accesses per page).
-  static constexpr bool kProducerTransposes = !kNarrow && ProducerTransposes<Tr>::value;
+  static constexpr bool kProducerTransposes = !kNarrow && Tr::kVNeedsTranspose;
   static constexpr int kTransposerWarps = 3;
   static constexpr int kTransposerArrivals = kProducerTransposes ? kTransposerWarps : 0;  // on every k_empty
   static constexpr int kConsumerRegs = kProducerTransposes && !Tr::kScaleGroups ? 232 : decode_cfg::kConsumerRegs;
@@ -180,7 +176,7 @@ struct SplitKvMlaKernel {
   }
 
   // ------------------------------------------------------------- transposer
-  // kProducerTransposes: warp `twarp` (0-2) of the producer WG walks the same
+  // The 64-row FP8 kernels: warp `twarp` (0-2) of the producer WG walks the same
   // pages and writes V^T of each into buffer it & 1 (64-channel blocks twarp,
   // twarp + 3, ...), with zeros for tokens past the chunk, once the page has
   // landed and that buffer's last P V WGMMAs retired (vt_empty). It then
@@ -204,7 +200,7 @@ struct SplitKvMlaKernel {
         }
         const int valid = c.end_token - page * kBlockN;
         for (int block = twarp; block < decode_cfg::kHeadDimV / 64; block += kTransposerWarps) {
-          transpose_v_channels<Tr>(plan.k[stage], plan.vt[buf], plan.zeros, block * 64, lane, valid);
+          transpose_v<Tr>(plan.k[stage], plan.vt[buf], plan.zeros, block * 64, lane, valid);
         }
         fence_proxy_async_smem();
         __syncwarp();
