@@ -296,7 +296,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         ksc[j][2] = x.z;
         ksc[j][3] = x.w;
       }
-      float shrink[kGroups];  // N_g old / new: exact for power-of-two scales; unused at the first page
+      // N_g old / new: exact for power-of-two scales; unused at the first page. An IEEE division, unlike the
+      // few-rows kernel's rcp_ftz: here rcp_ftz made ptxas serialize the page's WGMMAs (C7515, session 12).
+      float shrink[kGroups];
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         const float grown = fmaxf(norm[g], n[g]);
