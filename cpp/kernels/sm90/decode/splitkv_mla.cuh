@@ -127,16 +127,15 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
   // The producer WG's warps 1-3 transpose V (transposer); they need more
-  // registers than the TMA lane. fp8_per_tensor's consumers, which no longer
-  // transpose, fit 232 without spills (2 x 128 x 232 + 128 x 48 = 65536);
-  // fp8_ds_mla's spilled a loop counter at 232, so they keep 240 and its
-  // transposer gets 32 (a few local accesses per page).
+  // registers than the TMA lane. The consumers, which no longer transpose,
+  // give 8 each: 232 + 232 + 40 = 504 (decode_cfg::kLaunchRegs).
   static constexpr bool kProducerTransposes = !kNarrow && Tr::kVNeedsTranspose;
   static constexpr int kTransposerWarps = 3;
   static constexpr int kTransposerArrivals = kProducerTransposes ? kTransposerWarps : 0;  // on every k_empty
-  static constexpr int kConsumerRegs = kProducerTransposes && !Tr::kScaleGroups ? 232 : decode_cfg::kConsumerRegs;
-  static constexpr int kProducerRegs =
-      !kProducerTransposes ? decode_cfg::kProducerRegs : Tr::kScaleGroups ? 32 : 48;
+  static constexpr int kConsumerRegs = kProducerTransposes ? 232 : decode_cfg::kConsumerRegs;
+  static constexpr int kProducerRegs = kProducerTransposes ? 40 : decode_cfg::kProducerRegs;
+  static_assert(decode_cfg::kNumConsumerWGs * kConsumerRegs + kProducerRegs <= 3 * decode_cfg::kLaunchRegs,
+                "setmaxnreg counts exceed the CTA's launch allocation: setmaxnreg.inc would never return");
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).

@@ -54,9 +54,13 @@ inline constexpr int kNumConsumerThreads = kNumConsumerWGs * 128;
 // rather than one warp because register reallocation (setmaxnreg) works per
 // warpgroup and ptxas budgets registers for whole warpgroups anyway.
 inline constexpr int kNumThreads = kNumConsumerThreads + 128;
-// setmaxnreg budget: 2 x 128 x 240 + 128 x 24 = 64512 <= 65536 registers.
-// The producer needs few (one lane walks the chunks and issues TMA); every
-// register given to the consumers cuts their spills next to O.
+// setmaxnreg moves registers only within the CTA's launch allocation:
+// __launch_bounds__(384, 1) compiles the kernel at 168 per thread, so the
+// three warpgroups' counts may add up to 3 x 168 = 504 (setmaxnreg.inc
+// blocks for good otherwise). 240 + 240 + 24 = 504. The producer needs few
+// (one lane walks the chunks and issues TMA); every register given to the
+// consumers cuts their spills next to O.
+inline constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 inline constexpr int kConsumerRegs = 240;
 inline constexpr int kProducerRegs = 24;
 // L2 promotion of every cache tensor map: 128 bytes. A TMA-only stream of
