@@ -231,14 +231,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     warpgroup_commit_batch();
   };
 
-  // V^T of ring position i comes from the transposer (vt_full) and goes back
-  // once this warp's share of the P V on it retired (vt_empty).
-  auto wait_vt = [&](int i) { mbarrier_wait(&plan.vt_full[i & 1], (i >> 1) & 1); };
-  auto release_vt = [&](int i) {
-    __syncwarp();
-    mbarrier_arrive_if(&plan.vt_empty[i & 1], lane == 0);
-  };
-
   // begin_split_idx is re-read from global memory at the epilogue: held in a
   // register for the whole CTA it was the last value ptxas spilled.
   SchedMeta walk = meta;
@@ -263,13 +255,15 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
       const uint32_t my_scales = ds_scale_addr(slot, tok_first);
+      // The transpose while this page's S head (RoPE, group 0) and the last
+      // page's P V are in flight.
+      transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
       // All retired here: a wait_group 1 over batches carried around the page
       // loop makes ptxas serialize every WGMMA (C7514).
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tSrT0);
       warpgroup_fence_operand(tSrT1);
-      if (page > page_begin) release_vt(it - 1);  // the last page's P V
       Tensor tSrKN = k_nope(stage);
       auto issue_group = [&](auto& T, int g) {
         wgmma_batch<kGroupSteps>(mma_nope, cute::get<0>(q_operands()), tSrKN, T, false, g * kGroupSteps);
@@ -341,7 +335,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         CUTE_UNROLL
         for (int v = 0; v < size(tSrS); ++v) sc(v) = tSrS(v) * qs[fragment_row_half(v)];
       }
-      wait_vt(it);  // before the next S head: no WGMMA in flight across the wait's branch
       if (page + 1 < page_end) issue_s_head(it + 1);
 
       // Visible keys per row (as in consumer()), recomputed per page from an
@@ -409,7 +402,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    if (page_begin < page_end) release_vt(it - 1);
     // O_g * N_g / kPNormalizer: the true O_g (a chunk without pages leaves O unread:
     // the epilogue writes zeros for rows without keys).
     if (page_begin < page_end) {

@@ -75,7 +75,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   auto v_operand = [&](int i, int page_role) {
     Element* v_base;
     if constexpr (Tr::kVNeedsTranspose) {
-      v_base = plan.vt[i & 1];
+      v_base = plan.vt[page_role];
     } else {
       v_base = plan.k[stage_of(i)];
     }
@@ -100,20 +100,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
     warpgroup_commit_batch();
   };
-  // fp8_per_tensor: V^T of ring position i is written by the transposer
-  // (vt_full), and handed back once this WG's P V reading it retired.
-  auto wait_vt = [&](int i) {
-    if constexpr (Tr::kVNeedsTranspose) mbarrier_wait(&plan.vt_full[i & 1], (i >> 1) & 1);
-  };
-  auto release_vt = [&](int i) {
-    if constexpr (Tr::kVNeedsTranspose) {
-      __syncwarp();
-      mbarrier_arrive_if(&plan.vt_empty[i & 1], lane == 0);
-    }
-  };
   // O_w (+)= P V_w with P from shared memory ...
   auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
-    wait_vt(i);
     wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), tOrO, accumulate);
   };
   // ... or with the WG's own P (fp32 probabilities in the S fragment)
@@ -263,11 +251,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         float factor[2];
         // ---------------------------------------------------- WG0: page A
         if (!kEarlyS) issue_s(ia);
+        if constexpr (Tr::kVNeedsTranspose) {
+          transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
+        }
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
-        if (page > page_begin) release_vt(ia - 1);  // the last pair's P_B V_B,L (it left it in flight)
-        if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A has read the left part (the transposer arrives too)
+        if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         mask(tSrS, page);
         float page_max[2];
         row_max(tSrS, page_max);
@@ -277,12 +267,18 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         accumulate = true;
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
+          if constexpr (Tr::kVNeedsTranspose) {
+            // V^T_B's last reader (the last pair's P_B V_B,L) retired
+            // before this pair's S_A did.
+            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
+            fence_proxy_async_smem();
+          }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
-          release_vt(ia);
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
@@ -292,13 +288,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
-            release_vt(ib);
           }
         } else {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           if constexpr (!Tr::kVNeedsTranspose) release(ia);
-          release_vt(ia);
         }
       }
     } else {
@@ -307,12 +301,23 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         float factor[2];
         // ---------------------------------------------------- WG1: page B
         if (!kEarlyS && has_b) issue_s(ib);
+        if constexpr (Tr::kVNeedsTranspose) {
+          // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
+          // V^T_B,R by its P_B V_B,R, queued before S_B.
+          mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
+          transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
+          if (has_b) {
+            warpgroup_wait<1>();
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
+          }
+          fence_proxy_async_smem();
+        }
         Tensor tSrSb = make_fragment_like(tSrS);  // the softmax copy (see above)
         float page_max[2];
         if (has_b) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
-          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B has read the right part (the transposer arrives too)
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
           mask(tSrSb, page + 1);
@@ -320,8 +325,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         } else {
           warpgroup_wait<0>();  // the last pair's P_B V_B,R
         }
-        // The last pair's P_B V_B,R, left in flight when this pair has a B.
-        if (page > page_begin && has_b) release_vt(ia - 1);
         named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
         adopt_max(softmax, plan.ref_max[0], factor);
@@ -337,7 +340,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
-        release_vt(ia);
         if (has_b) {
           publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
           if (kEarlyS && next_has_b) {
@@ -346,7 +348,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);
-            release_vt(ib);
           }
         }
       }

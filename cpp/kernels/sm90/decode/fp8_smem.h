@@ -67,11 +67,12 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
   }
 }
 
-// A warp writes V^T[c][p_column(t)] = K[t][c] for its 64 channels c from
-// `warp_channels` and the page's 64 tokens, with zeros for tokens
+// Consumer WG `wg` writes V^T[c][p_column(t)] = K[t][c] for its channels
+// c in [256 wg, 256 wg + 256) and the page's 64 tokens, with zeros for tokens
 // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
 // and 0 * NaN = NaN in P V): their ldmatrix rows point at a 16-byte zero
-// row instead, so the code stays branch-free. Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
+// row instead, so the code stays branch-free while this WG's S WGMMA runs.
+// Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
 //   ldmatrix.x4.trans: matrix m = tokens 8 (m % 2) + 0..7 x channels
 //     16 (m / 2) + 0..15 as 8x8 b16; lane i gets, of channels c, c + 1
 //     (c = 2 (i / 4) [+ 16 for m >= 2]), tokens 2q, 2q + 1 (q = i % 4)
@@ -84,18 +85,18 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 //     16-byte bank groups (even channels only would conflict 2-way), the
 //     per-lane choice costing nothing (a PRMT selector register).
 // The loads are conflict-free too (8 consecutive tokens of one swizzle
-// unit). The writer's fence.proxy.async and a barrier the reader passes (a
-// page-ready barrier, kPReady, or the transposer's vt_full) order the stores
-// before the P V WGMMA.
+// unit). The writer's fence.proxy.async and a barrier both WGs pass (a
+// page-ready barrier, or kPReady) order the stores before the P V WGMMA.
 template <class Tr>
 __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
-                                            const typename Tr::Element* zeros, int warp_channels, int lane, int valid) {
+                                            const typename Tr::Element* zeros, int wg, int tid, int valid) {
   static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
   const typename Tr::SmemLayoutK layout_k{};
   const typename Tr::SmemLayoutV layout_vt{};
   const uint32_t k_base = smem_addr(k_slot);
   const uint32_t vt_base = smem_addr(vt);
   const uint32_t zero_row = smem_addr(zeros);
+  const int lane = tid % 32;
   const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
   const int ld_token = 8 * (m % 2) + r;
   const int ld_channel = 16 * (m / 2);
@@ -105,6 +106,7 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   const bool lane_odd_first = lane / 4 >= 4;
   const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
   const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
+  const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
   // Blocks go in batches: the batch's ldmatrix are issued back to back
   // before its first PRMT, so their latencies overlap (one block at a time,
   // every PRMT waited on its own ldmatrix: the top short-scoreboard stall of

@@ -19,18 +19,15 @@
 //   warps 8-11 (WG2)            producer: one lane walks the same chunks and
 //                               streams K pages by TMA into a kNumStages-slot ring; the
 //                               warpgroup gives its registers to the consumers.
-//                               In the 64-row FP8 kernels (kProducerTransposes)
-//                               warps 9-11 write each page's V^T (transposer).
 // Slots (bf16 / fp8_per_tensor: each of their two parts) are handed back
 // through k_empty once the WGMMAs and transposes that read them are done.
 //
 // Format differences come from Traits<kFormat>; the few code paths that
 // differ are `if constexpr` on its flags:
-//   kVNeedsTranspose (FP8 formats): FP8 WGMMA reads B only K-major, so the
-//     64-row kernels' transposer writes V^T in shared memory, zeroing the
-//     tokens past the chunk there instead of in the K slot (the few-rows
-//     kernels build V^T fragments in registers); P is stored as e4m3
-//     (fp8_smem.h).
+//   kVNeedsTranspose (FP8 formats): FP8 WGMMA reads B only K-major, so each
+//     consumer WG transposes its 256 V channels of the page into V^T (while its
+//     S WGMMA runs) and zeroes the tokens past the chunk there, instead of
+//     zeroing them in the K slot; P is stored as e4m3 (fp8_smem.h).
 //   kUsesDescale: descale_q * descale_k (device scalars) fold into the softmax
 //     scale, and descale_k multiplies the output (partials too, so the combine
 //     stays format-agnostic); lse is of the scaled logits.
@@ -126,16 +123,6 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
-  // The producer WG's warps 1-3 transpose V (transposer); they need more
-  // registers than the TMA lane. The consumers, which no longer transpose,
-  // give 8 each: 232 + 232 + 40 = 504 (decode_cfg::kLaunchRegs).
-  static constexpr bool kProducerTransposes = !kNarrow && Tr::kVNeedsTranspose;
-  static constexpr int kTransposerWarps = 3;
-  static constexpr int kTransposerArrivals = kProducerTransposes ? kTransposerWarps : 0;  // on every k_empty
-  static constexpr int kConsumerRegs = kProducerTransposes ? 232 : decode_cfg::kConsumerRegs;
-  static constexpr int kProducerRegs = kProducerTransposes ? 40 : decode_cfg::kProducerRegs;
-  static_assert(decode_cfg::kNumConsumerWGs * kConsumerRegs + kProducerRegs <= 3 * decode_cfg::kLaunchRegs,
-                "setmaxnreg counts exceed the CTA's launch allocation: setmaxnreg.inc would never return");
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -170,46 +157,6 @@ struct SplitKvMlaKernel {
             load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
-      }
-    });
-  }
-
-  // ------------------------------------------------------------- transposer
-  // The 64-row FP8 kernels: warp `twarp` (0-2) of the producer WG walks the same
-  // pages and writes V^T of each into buffer it & 1 (64-channel blocks twarp,
-  // twarp + 3, ...), with zeros for tokens past the chunk, once the page has
-  // landed and that buffer's last P V WGMMAs retired (vt_empty). It then
-  // hands both parts of the K slot back (k_empty counts its warps too) and
-  // publishes V^T (vt_full), each lane's stores fenced for the async proxy.
-  __device__ static void transposer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int twarp,
-                                    int lane) {
-    const DecodeParams& p = args.params;
-    int it = 0;
-    for_each_chunk(p, meta, [&](const Chunk& c) {
-      for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
-        const int stage = it % Tr::kNumStages;
-        const uint32_t phase = (it / Tr::kNumStages) & 1;
-        const int buf = it & 1;
-        mbarrier_wait(&plan.vt_empty[buf], ((it >> 1) & 1) ^ 1);
-        if constexpr (Tr::kScaleGroups) {
-          mbarrier_wait(&plan.k_full[stage], phase);
-        } else {
-          mbarrier_wait(&plan.k_full[stage][0], phase);
-          mbarrier_wait(&plan.k_full[stage][1], phase);
-        }
-        const int valid = c.end_token - page * kBlockN;
-        for (int block = twarp; block < decode_cfg::kHeadDimV / 64; block += kTransposerWarps) {
-          transpose_v<Tr>(plan.k[stage], plan.vt[buf], plan.zeros, block * 64, lane, valid);
-        }
-        fence_proxy_async_smem();
-        __syncwarp();
-        if constexpr (Tr::kScaleGroups) {
-          mbarrier_arrive_if(&plan.k_empty[stage], lane == 0);
-        } else {
-          mbarrier_arrive_if(&plan.k_empty[stage][0], lane == 0);
-          mbarrier_arrive_if(&plan.k_empty[stage][1], lane == 0);
-        }
-        mbarrier_arrive_if(&plan.vt_full[buf], lane == 0);
       }
     });
   }
@@ -340,18 +287,11 @@ struct SplitKvMlaKernel {
         }
         if constexpr (Tr::kScaleGroups) {
           // Every consumer warp reads every page; a narrow page has one WG.
-          mbarrier_init(&plan.k_empty[s], (kNarrow ? 4 : kConsumers / 32) + kTransposerArrivals);
+          mbarrier_init(&plan.k_empty[s], kNarrow ? 4 : kConsumers / 32);
         } else {
           for (int part = 0; part < 2; ++part) {
-            // The 4 warps of the part's warpgroup (and the transposer's).
-            mbarrier_init(&plan.k_empty[s][part], 4 + kTransposerArrivals);
+            mbarrier_init(&plan.k_empty[s][part], 4);  // the 4 warps of the part's warpgroup
           }
-        }
-      }
-      if constexpr (kProducerTransposes) {
-        for (int b = 0; b < 2; ++b) {
-          mbarrier_init(&plan.vt_full[b], kTransposerWarps);
-          mbarrier_init(&plan.vt_empty[b], kConsumers / 32);
         }
       }
       fence_mbarrier_init();
@@ -379,7 +319,7 @@ struct SplitKvMlaKernel {
     if (meta.begin_batch > meta.end_batch) return;  // empty partition
 
     if (warp < kConsumers / 32) {
-      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+      cutlass::arch::warpgroup_reg_alloc<decode_cfg::kConsumerRegs>();
       if constexpr (kNarrow) {
         consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       } else if constexpr (Tr::kScaleGroups) {
@@ -391,11 +331,8 @@ struct SplitKvMlaKernel {
         consumer(args, plan, meta, head_k, m_block, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       }
     } else {
-      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
       if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
-      if constexpr (kProducerTransposes) {
-        if (warp > kConsumers / 32) transposer(args, plan, meta, warp - kConsumers / 32 - 1, threadIdx.x % 32);
-      }
     }
   }
 };

@@ -22,8 +22,7 @@
 //
 // Other formats specialize Traits<> with their own element types / layouts.
 // FP8 WGMMA reads B only K-major, so fp8_per_tensor (kVNeedsTranspose) adds
-// V^T buffers to its plan that the producer WG's transposer warps fill from
-// the K slot.
+// V^T buffers to its plan that the consumers fill from the K slot.
 // fp8_ds_mla (kScaleGroups) has its own consumer (consumer_ds.cuh); see its
 // specialization at the end of this file.
 #pragma once
@@ -54,13 +53,9 @@ inline constexpr int kNumConsumerThreads = kNumConsumerWGs * 128;
 // rather than one warp because register reallocation (setmaxnreg) works per
 // warpgroup and ptxas budgets registers for whole warpgroups anyway.
 inline constexpr int kNumThreads = kNumConsumerThreads + 128;
-// setmaxnreg moves registers only within the CTA's launch allocation:
-// __launch_bounds__(384, 1) compiles the kernel at 168 per thread, so the
-// three warpgroups' counts may add up to 3 x 168 = 504 (setmaxnreg.inc
-// blocks for good otherwise). 240 + 240 + 24 = 504. The producer needs few
-// (one lane walks the chunks and issues TMA); every register given to the
-// consumers cuts their spills next to O.
-inline constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
+// setmaxnreg budget: 2 x 128 x 240 + 128 x 24 = 64512 <= 65536 registers.
+// The producer needs few (one lane walks the chunks and issues TMA); every
+// register given to the consumers cuts their spills next to O.
 inline constexpr int kConsumerRegs = 240;
 inline constexpr int kProducerRegs = 24;
 // L2 promotion of every cache tensor map: 128 bytes. A TMA-only stream of
@@ -188,19 +183,19 @@ struct Traits<config::KvFormat::kBf16> {
 // which takes A and B from shared memory K-major only:
 //   S = Q K^T : Q and the K page as loaded are K-major (channel contiguous).
 //   O += P V  : P (64 rows x 64 tokens, e4m3, unscaled: P <= 256) is
-//               K-major; V must be token-contiguous per channel, so the
-//               producer WG's transposer warps write each page into a V^T
-//               buffer (ldmatrix.trans + byte permutes + stmatrix,
-//               transpose_v in fp8_smem.h), as FA3's FP8 producer does.
+//               K-major; V must be token-contiguous per channel, so each
+//               consumer WG transposes its 256 channels of the page into a
+//               V^T buffer (ldmatrix.trans + byte permutes + stmatrix,
+//               transpose_v in fp8_smem.h).
 // A row of one 64-channel box is 64 bytes, so every tile uses the 64-byte
 // swizzle (8 rows x 64 bytes atoms); nine boxes still cover the 576
 // channels, each landing as one contiguous 4 KB slab.
 //
 // Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 2 x 4096
-// + a 16-byte zero row + row statistics 768 + barriers 128, plus 1 KB of
+// + a 16-byte zero row + row statistics 768 + barriers 96, plus 1 KB of
 // alignment slack: kSmemBytes = 224256 (219 KB of the 227 KB opt-in limit).
-// V^T has one buffer per ring-position parity (it & 1), P one per page of the
-// pair (A, B).
+// V^T and P have one buffer per page of the pair (A, B); each WG writes and
+// reads only its own 256 channels of V^T.
 template <>
 struct Traits<config::KvFormat::kFp8PerTensor> {
   using Element = cutlass::float_e4m3_t;  // q, k_cache, P
@@ -234,9 +229,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr bool kOwnPInRegisters = false;
   // Lazy rescale (softmax.h): P = e4m3(p) unscaled, p <= 2^8 < 448.
   static constexpr int kLazyRescaleLog2 = 8;
-  // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h), in the
-  // transposer (48 registers here). Chosen in sessions 7 and 12 when the
-  // consumers transposed (4 spilled next to S and O); not re-measured since.
+  // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
+  // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
@@ -250,15 +244,13 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
-    alignas(1024) Element vt[2][kVtElems];  // ring positions it & 1, written by the transposer
+    alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
     alignas(1024) Element p[kNumPTiles][kPElems];
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float ref_max[2][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    alignas(8) uint64_t vt_full[2];   // V^T of ring position it written (3 transposer warps)
-    alignas(8) uint64_t vt_empty[2];  // its P V WGMMAs retired (8 consumer warps)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
@@ -281,7 +273,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 //     O_g * 16 / N_g: when N_g grows, O_g shrinks by N_old / N_new (with the
 //     row-max rescale), and the epilogue multiplies by N_g / 16. p <= 16 by
 //     the lazy rescale (kLazyRescaleLog2), so P_g <= 256. V^T is
-//     transposed from the slot as for fp8_per_tensor (by the transposer).
+//     transposed from the slot as for fp8_per_tensor.
 //
 // TMA: two uint8 maps over (656 bytes, head, token-in-page, block). The
 // cache map has 128-byte boxes and the 128-byte swizzle: four NoPE slabs at
@@ -297,7 +289,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 //
 // Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192
 // + K 2 x 41984 + V^T 2 x 32768 + P 4 x 4096 + a 16-byte zero row + q scales
-// 256 + row statistics 1536 + barriers 64, plus 1 KB of alignment slack:
+// 256 + row statistics 1536 + barriers 32, plus 1 KB of alignment slack:
 // about 206 KB of the 227 KB opt-in limit. A third stage would add 41 KB,
 // so kNumStages = 2.
 template <>
@@ -317,10 +309,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // instead of 256 for p <= 1 emulates to the same error: docs/NUMERICS.md.)
   static constexpr int kLazyRescaleLog2 = 4;
   static constexpr float kPNormalizer = 16.f;
-  // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h), in the
-  // transposer (32 registers here). One at a time was chosen in session 7
-  // when the consumers transposed (batches of 4 measured 2-4 % slower next to
-  // the cached token scales); not re-measured since.
+  // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): one at
+  // a time here: with the per-row q scale and cached token scales, batches of
+  // 4 measured 2-4 % slower than single blocks and batches of 2 the same
+  // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
@@ -390,8 +382,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
-    alignas(8) uint64_t vt_full[2];   // as fp8_per_tensor's
-    alignas(8) uint64_t vt_empty[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
