@@ -53,11 +53,18 @@ inline constexpr int kNumConsumerThreads = kNumConsumerWGs * 128;
 // rather than one warp because register reallocation (setmaxnreg) works per
 // warpgroup and ptxas budgets registers for whole warpgroups anyway.
 inline constexpr int kNumThreads = kNumConsumerThreads + 128;
-// setmaxnreg budget: 2 x 128 x 240 + 128 x 24 = 64512 <= 65536 registers.
-// The producer needs few (one lane walks the chunks and issues TMA); every
-// register given to the consumers cuts their spills next to O.
+// setmaxnreg only moves registers within the CTA's launch allocation:
+// __launch_bounds__(kNumThreads, 1) compiles the kernel at 168 per thread
+// (kLaunchRegs), so the three warpgroups' counts may add up to 3 x 168 =
+// 504; over that, setmaxnreg.inc waits for good (session 14's vtpds hung
+// at 232 + 232 + 48). The producer needs few (one lane walks the chunks and
+// issues TMA); every register given to the consumers cuts their spills
+// next to O.
+inline constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
 inline constexpr int kConsumerRegs = 240;
 inline constexpr int kProducerRegs = 24;
+static_assert(kNumConsumerWGs * kConsumerRegs + kProducerRegs <= (kNumThreads / 128) * kLaunchRegs,
+              "setmaxnreg counts exceed the CTA's launch allocation: setmaxnreg.inc would never return");
 // L2 promotion of every cache tensor map: 128 bytes. A TMA-only stream of
 // M1's pages (scripts/tma_stream_bench.cu) ran 576-byte rows at 4.23 TB/s
 // with it against 3.87 with 256 bytes (which pulls in sectors of the next
