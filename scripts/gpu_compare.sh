@@ -7,12 +7,13 @@
 #   BUILDS="main sync slab" bash scripts/gpu_compare.sh
 # Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
-# --unroll); SKIP_TESTS / SKIP_RACECHECK =1 to leave a step
-# out (the first build listed is taken as the baseline: only benched); PYTEST_WORKERS (default 4); TEST_TIMEOUT /
-# RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's racecheck, default 240 / 150);
-# BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
-# default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
-# spaces, so no argument may contain one: "-m 'not few_rows'" does not work).
+# --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK =1 to leave a step out (the first build listed is taken as the
+# baseline: only benched); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke run, tests/gpu_sanitize.py, fails
+# or times out gets no further step); PYTEST_WORKERS (default 4); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
+# build's GPU tests / one format's racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
+# default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS); TEST_ARGS (more pytest arguments,
+# e.g. "-m few_rows" for the few-rows kernels' cases; split on spaces, so no argument may contain one: "-m 'not
+# few_rows'" does not work).
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -38,6 +39,22 @@ for i in "${!builds[@]}"; do
   cp "${so[@]}" jax_flash_mla/
   echo "==== $name: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)"
   line="$name:"
+  # Smoke run first (tests/gpu_sanitize.py's small cases, every format in one process): a build that hangs or is
+  # wrong there skips its tests, racecheck and bench, which would each wait for their whole timeout (session 14
+  # lost a 600 s call to a hanging build).
+  if ((i > 0)) && [[ ${SKIP_SMOKE:-0} != 1 ]]; then
+    SANITIZE_FORMATS=$(echo "$formats" | tr ' ' ',') timeout "${SMOKE_TIMEOUT:-60}" "$PY" tests/gpu_sanitize.py \
+      > "$logs/smoke_$name.log" 2>&1
+    rc=$?
+    if ((rc != 0)); then
+      why="timed out: a hang?"
+      ((rc == 124)) || why="failed: $(tail -1 "$logs/smoke_$name.log" | cut -c1-100)"
+      summary+=("$line smoke rc=$rc ($why); tests, racecheck and bench skipped")
+      echo "==== $name: smoke rc=$rc ($why), skipped"
+      continue
+    fi
+    line+=" smoke ok;"
+  fi
   if ((i > 0)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
     k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
     read -r -a test_args <<< "${TEST_ARGS:-}"
