@@ -9,6 +9,7 @@
 #                             (installed there with --no-deps when missing)
 #   JAX_FLASH_MLA_DISABLE_FP8 ON to leave the FP8 formats out (default OFF)
 #   PTXAS_VERBOSE             ON for ptxas register / smem / spill reports (default OFF)
+#   HANG_TRAP                 ON for a debugging build whose mbarrier waits trap after 10 s (default OFF)
 #   JOBS                      parallel compile jobs (default: number of cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.."
 py=${CARRY_PYTHON:-/work/venv312/bin/python}
 disable_fp8=${JAX_FLASH_MLA_DISABLE_FP8:-OFF}
 ptxas_verbose=${PTXAS_VERBOSE:-OFF}
+hang_trap=${HANG_TRAP:-OFF}
 jobs=${JOBS:-$(nproc)}
 start=$SECONDS
 
@@ -38,6 +40,7 @@ cmake -S . -B "$build" "${generator[@]}" \
   -DJAX_FLASH_MLA_CUDA=ON \
   -DJAX_FLASH_MLA_DISABLE_FP8="$disable_fp8" \
   -DJAX_FLASH_MLA_PTXAS_VERBOSE="$ptxas_verbose" \
+  -DJAX_FLASH_MLA_HANG_TRAP="$hang_trap" \
   ${CUTLASS_DIR:+-DCUTLASS_DIR="$CUTLASS_DIR"}
 cmake --build "$build" -j "$jobs"
 
@@ -61,6 +64,7 @@ print('jax', jax.__version__, '| build', f.build_info())")
   echo "built:  $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git rev-parse --short HEAD)$([[ -z "$(git status --porcelain -- cpp CMakeLists.txt)" ]] || echo ' + uncommitted changes')"
   echo "python: $("$py" -c 'import sys; print(sys.version.split()[0])')"
   echo "module: $(basename "$so") ($(du -h "$so" | cut -f1))"
+  [[ $hang_trap == OFF ]] || echo "HANG_TRAP=$hang_trap: a debugging build (mbarrier waits trap after 10 s); no timing"
   echo "$info"
 } > .carry/BUILD_INFO.txt
 cat .carry/BUILD_INFO.txt

@@ -82,7 +82,39 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 // Blocks until the phase with the given parity has completed. A freshly
 // initialized barrier is in phase 0, and "the phase before it" (parity 1)
 // counts as complete, so a producer can wait on parity 1 for free slots.
+//
+// Debugging builds (CMake option JAX_FLASH_MLA_HANG_TRAP): a wait still unmet
+// after kHangTrapNs traps, so a protocol mistake fails the launch with a CUDA
+// error instead of hanging the process (and a GPU call's whole time limit).
+// Waits that never end elsewhere (bar.sync, setmaxnreg.inc) are not covered,
+// but the warps spinning on mbarriers behind them are. 10 s: far above any
+// wait of a real decode, even slowed down by compute-sanitizer.
+inline constexpr uint64_t kHangTrapNs = 10'000'000'000ull;
+
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#ifdef JAX_FLASH_MLA_HANG_TRAP
+  // One asm block, as below: waits written in C++ around __trap() made ptxas
+  // spill kilobytes and serialize the WGMMAs (C7512).
+  asm volatile(
+      "{\n"
+      " .reg .pred done, late;\n"
+      " .reg .u64 t0, t;\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @done bra DONE_%=;\n"
+      " mov.u64 t0, %%globaltimer;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @done bra DONE_%=;\n"
+      " mov.u64 t, %%globaltimer;\n"
+      " sub.u64 t, t, t0;\n"
+      " setp.gt.u64 late, t, %2;\n"
+      " @late trap;\n"
+      " bra WAIT_%=;\n"
+      "DONE_%=:\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity), "l"(kHangTrapNs)
+      : "memory");
+#else
   asm volatile(
       "{\n"
       " .reg .pred done;\n"
@@ -92,6 +124,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 }  // namespace jax_flash_mla::sm90
