@@ -5,7 +5,8 @@
     compute-sanitizer --tool racecheck --kernel-name kns=combine_kernel python3 tests/gpu_sanitize.py
 
 (racecheck over the whole JAX program instruments every XLA kernel too and did not finish in 100 s on the H200;
-the kernel-name filter instruments only ours.) Small shapes that still reach every code path of the bf16 kernel and
+the kernel-name filter instruments only ours.) scripts/gpu_compare.sh also runs it without a sanitizer, as each
+candidate build's smoke run. Small shapes that still reach every code path of the bf16 kernel and
 the combine: a sequence split over several partitions (partials + combine), single-split sequences (direct writes),
 a partial last page with NaN slots behind it (V rows zeroed in shared memory), causal masking, a zero-length
 sequence, two row tiles per KV head (s_q 2 x 36 heads = 72 rows, the second tile padded) and two KV heads.

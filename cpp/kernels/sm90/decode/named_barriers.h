@@ -89,7 +89,9 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 // Waits that never end elsewhere (bar.sync, setmaxnreg.inc) are not covered,
 // but the warps spinning on mbarriers behind them are. 10 s: far above any
 // wait of a real decode (a whole C2 decode takes ~1 ms on an H200).
+#ifdef JAX_FLASH_MLA_HANG_TRAP
 inline constexpr uint64_t kHangTrapNs = 10'000'000'000ull;
+#endif
 
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #ifdef JAX_FLASH_MLA_HANG_TRAP
