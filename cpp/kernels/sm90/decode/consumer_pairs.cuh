@@ -67,8 +67,22 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     __syncwarp();
     mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
   };
-  auto p_tile = [&](int page_role) {  // 0: page A, 1: page B
-    return make_tensor(make_smem_ptr(plan.p[Tr::kNumPTiles == 1 ? 0 : page_role]), typename Tr::SmemLayoutP{});
+  // The P tile of page i (page_role 0: A, 1: B): its slot's RoPE slab (bf16)
+  // or the pair's tile of that role.
+  auto p_tile = [&](int i, int page_role) {
+    Element* base;
+    if constexpr (Tr::kPInRopeSlab) {
+      base = plan.k[stage_of(i)] + decode_cfg::kHeadDimV * kBlockN;  // slab 8 of the slot
+    } else {
+      base = plan.p[page_role];
+    }
+    return make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutP{});
+  };
+  // Page i's slot part `part` is done with by this WG (kPInRopeSlab: WG0's
+  // arrivals on the right parts, which hold the RoPE slab).
+  auto release_part = [&](int i, int part) {
+    __syncwarp();
+    mbarrier_arrive_if(&plan.k_empty[stage_of(i)][part], lane == 0);
   };
   // B operand of O_w += P V: this WG's 256 channels of V, from the K slot
   // (bf16, MN-major) or from the page's V^T buffer (e4m3, K-major).
@@ -102,7 +116,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   };
   // O_w (+)= P V_w with P from shared memory ...
   auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
-    wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(page_role)), v_operand(i, page_role), tOrO, accumulate);
+    wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(i, page_role)), v_operand(i, page_role), tOrO,
+                accumulate);
   };
   // ... or with the WG's own P (fp32 probabilities in the S fragment)
   // rounded to bf16 in registers.
@@ -110,7 +125,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     if constexpr (Tr::kOwnPInRegisters) {
       typename Tr::TiledMmaPVRegs mma_pv_regs;
       auto thr_pv_regs = mma_pv_regs.get_thread_slice(tid);
-      Tensor tOrP = thr_pv_regs.partition_fragment_A(p_tile(page_role));  // registers, (MMA, 1, 4)
+      Tensor tOrP = thr_pv_regs.partition_fragment_A(p_tile(i, page_role));  // registers, (MMA, 1, 4)
       static_assert(decltype(size(tOrP))::value == decltype(size(tP))::value, "P fragment size");
       CUTE_UNROLL
       for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tP(v));
@@ -121,9 +136,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   };
   // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the
   // page's shared tile, its columns in V^T's token order.
-  auto store_p = [&](const auto& tP, int page_role) {
+  auto store_p = [&](const auto& tP, int i, int page_role) {
     if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      Tensor sP = p_tile(page_role);
+      Tensor sP = p_tile(i, page_role);
       CUTE_UNROLL
       for (int v = 0; v < size(tP); v += 2) {
         *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))))) =
@@ -131,7 +146,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       }
     } else {
       static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
-      store_p_e4m3<Tr, kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(page_role).data())), tid / 32, lane, tP,
+      store_p_e4m3<Tr, kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(i, page_role).data())), tid / 32, lane, tP,
                                      [](int) { return 1.f; }, 0);
     }
   };
@@ -180,20 +195,27 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
   // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
   // then rescales O by `factor` and queues the WG's own P V.
-  auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
-                          const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
+  auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
     zero_stale_v(i, page, c);
-    store_p(tP, page_role);
+    store_p(tP, i, page_role);
     fence_proxy_async_smem();
     // Both WGs pass the ready barrier, so it also orders this WG's own
     // writes (P, zeroed V rows) before its WGMMA reads them.
     named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
+  };
+  auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
+                                 __attribute__((always_inline)) {
     rescale_o(factor);
     if constexpr (Tr::kOwnPInRegisters) {
       issue_pv_regs(tP, i, page_role, accumulate);
     } else {
       issue_pv_smem(i, page_role, accumulate);
     }
+  };
+  auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
+                          const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
+    publish_p(tP, i, page, page_role, c);
+    accumulate_own_page(tP, i, page_role, factor, accumulate);
   };
   // Each WG queues its S of the next pair right behind its last P V of this
   // pair when the ring holds three pages or more (fp8_per_tensor); with two
@@ -258,6 +280,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
+        if constexpr (Tr::kPInRopeSlab) release_part(ia, 1);  // S_A was WG0's last read of A's right part
         mask(tSrS, page);
         float page_max[2];
         row_max(tSrS, page_max);
@@ -288,6 +311,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
+            if constexpr (Tr::kPInRopeSlab) release_part(ib, 1);  // ... and with it the read of P_B
           }
         } else {
           warpgroup_wait<0>();
@@ -335,13 +359,21 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
         }
-        // P_A V_A,R retires before P_B may overwrite P_A's tile (bf16) and
+        // P_B goes out while P_A V_A,R runs when it has a tile of its own
+        // (kPInRopeSlab); otherwise it overwrites P_A's. P_A V_A,R retires
         // before O is rescaled.
+        if constexpr (Tr::kPInRopeSlab) {
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
         if (has_b) {
-          publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+          if constexpr (Tr::kPInRopeSlab) {
+            accumulate_own_page(tSrSb, ib, 1, factor, true);
+          } else {
+            publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+          }
           if (kEarlyS && next_has_b) {
             issue_s(ib + 2);
           } else {

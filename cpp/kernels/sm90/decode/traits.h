@@ -147,9 +147,13 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr bool kOwnPInRegisters = true;
   // Lazy rescale (softmax.h): p <= 2^8, far inside bf16.
   static constexpr int kLazyRescaleLog2 = 8;
-  // One P tile: WG0 writes P_A for WG1; WG1 overwrites it with P_B for WG0
-  // once its read of P_A retired (each WG reads its own P from registers).
-  static constexpr int kNumPTiles = 1;
+  // Each page's P lives in its own K slot, in the RoPE slab (slab 8, channels
+  // 512-575: read only by the page's S, and laid out as a 64 x 64 K-major
+  // SW128 tile, as P is). WG1 then publishes P_B without waiting for its read
+  // of P_A, and the right part of a slot goes back once both WGs are done
+  // with it (k_empty[.][1] counts 8 warps). (Each WG reads its own P from
+  // registers.)
+  static constexpr bool kPInRopeSlab = true;
   // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
   // on M1 against 324-331 us here (session 8), the page loads bound it either way.
   static constexpr int kNarrowRows = 0;
@@ -158,8 +162,8 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
   static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
 
-  // 216 KB of tiles + 8 KB of P + 1 KB of row statistics + barriers:
-  // 225 KB, under the 227 KB a block may opt into on sm_90. Two stages hold
+  // 216 KB of tiles + 1 KB of row statistics + barriers: 217 KB, under the
+  // 227 KB a block may opt into on sm_90. Two stages hold
   // exactly one page pair: each part of a slot is refilled as soon as its
   // last reader retired, and the next pair's S starts on the left parts.
   struct SharedMemoryPlan {
@@ -167,7 +171,6 @@ struct Traits<config::KvFormat::kBf16> {
     // pattern repeats every 8 rows of 128 bytes; TMA requires it too).
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
-    alignas(1024) Element p[kNumPTiles][kPElems];
     // Running row maxima after page A (written by WG0) and after page B (WG1).
     float ref_max[2][decode_cfg::kBlockM];
     // Partial row sums at the end of a chunk, per warpgroup.
@@ -240,6 +243,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
+  static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
 
