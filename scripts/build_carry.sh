@@ -10,6 +10,7 @@
 #   JAX_FLASH_MLA_DISABLE_FP8 ON to leave the FP8 formats out (default OFF)
 #   PTXAS_VERBOSE             ON for ptxas register / smem / spill reports (default OFF)
 #   HANG_TRAP                 ON for a debugging build whose mbarrier waits trap after 10 s (default OFF)
+#   EVENT_TRACE               ON for a debugging build that stamps pipeline events (scripts/trace_pipeline.py)
 #   JOBS                      parallel compile jobs (default: number of cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ py=${CARRY_PYTHON:-/work/venv312/bin/python}
 disable_fp8=${JAX_FLASH_MLA_DISABLE_FP8:-OFF}
 ptxas_verbose=${PTXAS_VERBOSE:-OFF}
 hang_trap=${HANG_TRAP:-OFF}
+event_trace=${EVENT_TRACE:-OFF}
 jobs=${JOBS:-$(nproc)}
 start=$SECONDS
 
@@ -41,6 +43,7 @@ cmake -S . -B "$build" "${generator[@]}" \
   -DJAX_FLASH_MLA_DISABLE_FP8="$disable_fp8" \
   -DJAX_FLASH_MLA_PTXAS_VERBOSE="$ptxas_verbose" \
   -DJAX_FLASH_MLA_HANG_TRAP="$hang_trap" \
+  -DJAX_FLASH_MLA_EVENT_TRACE="$event_trace" \
   ${CUTLASS_DIR:+-DCUTLASS_DIR="$CUTLASS_DIR"}
 cmake --build "$build" -j "$jobs"
 
@@ -65,6 +68,7 @@ print('jax', jax.__version__, '| build', f.build_info())")
   echo "python: $("$py" -c 'import sys; print(sys.version.split()[0])')"
   echo "module: $(basename "$so") ($(du -h "$so" | cut -f1))"
   [[ $hang_trap == OFF ]] || echo "HANG_TRAP=$hang_trap: a debugging build (mbarrier waits trap after 10 s); no timing"
+  [[ $event_trace == OFF ]] || echo "EVENT_TRACE=$event_trace: a debugging build (pipeline event stamps); no timing"
   echo "$info"
 } > .carry/BUILD_INFO.txt
 cat .carry/BUILD_INFO.txt

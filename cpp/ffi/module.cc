@@ -15,6 +15,9 @@
 
 #include "ffi/handlers.h"
 #endif
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+#include "kernels/event_trace.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -72,6 +75,11 @@ nb::dict build_info() {
   info["fp8_disabled"] = false;
 #endif
   info["ffi_api_version"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+  info["event_trace"] = true;
+#else
+  info["event_trace"] = false;
+#endif
   info["kernel_formats"] = kernel_formats();
   return info;
 }
@@ -85,4 +93,17 @@ NB_MODULE(_jax_flash_mla, m) {
   m.def("ffi_api_version", []() { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
         "(major, minor) of the XLA FFI headers this module was built against.");
   m.def("build_info", &build_info, "How this module was built.");
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+  namespace trace = jax_flash_mla::event_trace;
+  m.def("event_trace_arm", &trace::arm, "Allocate (once) and zero the decode kernel's event-trace buffer.");
+  m.def(
+      "event_trace_read",
+      []() {
+        const std::vector<uint64_t> words = trace::read();
+        return nb::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t));
+      },
+      "The event-trace buffer as bytes of uint64 words (kernels/event_trace.h has the layout).");
+  m.attr("EVENT_TRACE_SHAPE") =
+      nb::make_tuple(trace::kCtas, trace::kRoles, trace::kPages, trace::kEvents, trace::kClockWords);
+#endif
 }

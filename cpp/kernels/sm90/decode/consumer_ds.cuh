@@ -220,6 +220,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   auto issue_s_head = [&](int i) __attribute__((always_inline)) {
     const int st = i % Tr::kNumStages;
     mbarrier_wait(&plan.k_full[st], (i / Tr::kNumStages) & 1);
+    stamp(args, wg, i, event_trace::kDsSlotLanded);
     Tensor tSrKN = k_nope(st);
     Tensor tSrKR = k_rope(st);
     auto q_ops = q_operands();
@@ -250,6 +251,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     const int page_begin = c.first_page();
     const int page_end = c.end_page();
     for (int page = page_begin; page < page_end; ++page, ++it) {
+      stamp(args, wg, it, event_trace::kDsTop);
       const int stage = it % Tr::kNumStages;
       const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
       // (The slot's k_full was waited for by issue_s_head.)
@@ -258,12 +260,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // The transpose while this page's S head (RoPE, group 0) and the last
       // page's P V are in flight.
       transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
+      stamp(args, wg, it, event_trace::kDsTransposed);
       // All retired here: a wait_group 1 over batches carried around the page
       // loop makes ptxas serialize every WGMMA (C7514).
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tSrT0);
       warpgroup_fence_operand(tSrT1);
+      stamp(args, wg, it, event_trace::kDsHeadRetired);
       Tensor tSrKN = k_nope(stage);
       auto issue_group = [&](auto& T, int g) {
         wgmma_batch<kGroupSteps>(mma_nope, cute::get<0>(q_operands()), tSrKN, T, false, g * kGroupSteps);
@@ -320,6 +324,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       warpgroup_wait<1>();  // group 2
       promote(tSrT0, 2);
       warpgroup_wait<0>();  // group 3
+      stamp(args, wg, it, event_trace::kDsSRetired);
       // The slot's last reads (S retired, V^T and the scales copied): the
       // producer may refill it while this page's softmax and P V run.
       release_slot(plan, stage, lane);
@@ -349,6 +354,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
 
       float page_max[2];
       page_row_max(plan, sc, it, wg, lane, rows, page_max);
+      stamp(args, wg, it, event_trace::kDsMaxReady);
 
       float o_scale[2];
       // Lazy: p <= 2^kLazyRescaleLog2, and o_scale is 1 on most pages (no O rescale). The
@@ -385,6 +391,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       }
       fence_proxy_async_smem();
       named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+      stamp(args, wg, it, event_trace::kDsPReady);
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
       CUTE_UNROLL
@@ -399,6 +406,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
                       tOrOj, !first_page);
       }
       warpgroup_commit_batch();
+      stamp(args, wg, it, event_trace::kDsEnd);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

@@ -107,9 +107,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
     mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
+    stamp(args, wg, i, event_trace::kSLeftLanded);
     warpgroup_arrive();
     wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
     mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
+    stamp(args, wg, i, event_trace::kSRightLanded);
     warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
     wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
     warpgroup_commit_batch();
@@ -271,6 +273,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       for (int page = page_begin; page < page_end; page += 2) {
         const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
         float factor[2];
+        stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
         if (!kEarlyS) issue_s(ia);
         if constexpr (Tr::kVNeedsTranspose) {
@@ -279,6 +282,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
+        stamp(args, 0, ia, event_trace::kPairSRetired);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         if constexpr (Tr::kPInRopeSlab) release_part(ia, 1);  // S_A was WG0's last read of A's right part
         mask(tSrS, page);
@@ -287,6 +291,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
         publish_max(softmax, plan.ref_max[0]);
         publish_page(tSrS, ia, page, 0, c, factor, accumulate);
+        stamp(args, 0, ia, event_trace::kPairAReady);
         accumulate = true;
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
@@ -298,9 +303,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             fence_proxy_async_smem();
           }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
+          stamp(args, 0, ia, event_trace::kPairBReady);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
+          stamp(args, 0, ia, event_trace::kPairPvRetired);
           if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
@@ -316,13 +323,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         } else {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
+          stamp(args, 0, ia, event_trace::kPairPvRetired);
           if constexpr (!Tr::kVNeedsTranspose) release(ia);
         }
+        stamp(args, 0, ia, event_trace::kPairEnd);
       }
     } else {
       for (int page = page_begin; page < page_end; page += 2) {
         const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
         float factor[2];
+        stamp(args, 1, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG1: page B
         if (!kEarlyS && has_b) issue_s(ib);
         if constexpr (Tr::kVNeedsTranspose) {
@@ -341,6 +351,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (has_b) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
+          stamp(args, 1, ia, event_trace::kPairSRetired);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
@@ -350,6 +361,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_wait<0>();  // the last pair's P_B V_B,R
         }
         named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
+        stamp(args, 1, ia, event_trace::kPairAReady);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
         adopt_max(softmax, plan.ref_max[0], factor);
         rescale_o(factor);
@@ -364,15 +376,18 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // before O is rescaled.
         if constexpr (Tr::kPInRopeSlab) {
           if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+          stamp(args, 1, ia, event_trace::kPairBReady);
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
+        stamp(args, 1, ia, event_trace::kPairPvRetired);
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
         if (has_b) {
           if constexpr (Tr::kPInRopeSlab) {
             accumulate_own_page(tSrSb, ib, 1, factor, true);
           } else {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+            stamp(args, 1, ia, event_trace::kPairBReady);
           }
           if (kEarlyS && next_has_b) {
             issue_s(ib + 2);
@@ -382,6 +397,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             if constexpr (!Tr::kVNeedsTranspose) release(ib);
           }
         }
+        stamp(args, 1, ia, event_trace::kPairEnd);
       }
     }
     // Nothing is in flight here; ptxas cannot tell (it would serialize every

@@ -60,6 +60,7 @@
 
 #include "config.h"
 #include "params.h"
+#include "kernels/event_trace.h"
 #include "kernels/launch.h"
 #include "kernels/sm90/decode/fp8_smem.h"
 #include "kernels/sm90/decode/named_barriers.h"
@@ -79,6 +80,9 @@ struct SplitKvArgs {
   DecodeParams params;
   CUtensorMap k_map;
   CUtensorMap scale_map;  // fp8_ds_mla's token scales (zeros otherwise)
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+  uint64_t* event_trace;  // kernels/event_trace.h; null until armed
+#endif
 };
 
 // One (batch, token range) piece of a partition.
@@ -134,11 +138,22 @@ struct SplitKvMlaKernel {
     }
   }
 
+  // A pipeline event of `role` (consumer WG 0 / 1, 2: producer) at ring position `page`; nothing unless built with
+  // JAX_FLASH_MLA_EVENT_TRACE (kernels/event_trace.h).
+  __device__ static void stamp(const SplitKvArgs& args, int role, int page, int event) {
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+    event_trace::stamp(args.event_trace, role, page, event);
+#endif
+  }
+
   // ---------------------------------------------------------------- producer
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k) {
     const DecodeParams& p = args.params;
     int it = 0;  // pages issued by this CTA, across chunks (ring position)
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+    event_trace::stamp_clocks(args.event_trace, 0);
+#endif
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
@@ -149,16 +164,21 @@ struct SplitKvMlaKernel {
         auto& full = full_barriers(plan, (page - c.first_page()) % decode_cfg::kNumConsumerWGs)[stage];
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
+          stamp(args, 2, it, event_trace::kLeftIssued);
           load_ds_page<Tr>(&args.k_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it.
           for (int part = 0; part < 2; ++part) {
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
+            stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
             load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
       }
     });
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+    event_trace::stamp_clocks(args.event_trace, 1);
+#endif
   }
 
   // ------------------------------------------------------- Q tile of a chunk
@@ -428,6 +448,9 @@ void run_splitkv_mla(const DecodeParams& params) {
   } else {
     memset(&args.scale_map, 0, sizeof(args.scale_map));
   }
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+  args.event_trace = event_trace::device_buffer();
+#endif
 
   auto launch = [&](auto kernel, int smem_bytes) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",

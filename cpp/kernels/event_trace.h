@@ -1,0 +1,125 @@
+// Pipeline event trace, for debugging builds only (CMake option JAX_FLASH_MLA_EVENT_TRACE; release builds compile
+// none of it). The decode kernel stamps clock64 where its warpgroups hand work to each other (S retired, a page's
+// P published, a P V retired, a slot landed or refilled), for the first kCtas CTAs of the grid and kPages ring
+// positions each. scripts/trace_pipeline.py lays the stamps out per page pair: which warpgroup waits for which, and
+// for how long. Nsight Compute's stall samples cannot show that order, and session 12's profiles did not point at
+// the chain that sets the pace (docs/DESIGN.md). The stamps cost a few instructions each; the figures are for
+// reading the order of events, not for timing a build.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+#endif
+
+namespace jax_flash_mla::event_trace {
+
+// Buffer of uint64 words: stamps [cta][role][page][event], then per CTA kClockWords (clock64, globaltimer) pairs
+// at the producer's start and end, which convert cycles to nanoseconds.
+inline constexpr int kCtas = 16;    // CTAs (x, 0, 0) with x < kCtas: KV head 0, query-row tile 0
+inline constexpr int kRoles = 3;    // consumer WG0, consumer WG1, producer
+inline constexpr int kPages = 256;  // ring positions (pages a CTA consumed so far, across chunks)
+inline constexpr int kEvents = 8;
+inline constexpr int kClockWords = 4;
+inline constexpr std::size_t kStampWords = std::size_t(kCtas) * kRoles * kPages * kEvents;
+inline constexpr std::size_t kWords = kStampWords + std::size_t(kCtas) * kClockWords;
+
+// Event ids; scripts/trace_pipeline.py names them in the same order.
+// consumer() (bf16, fp8_per_tensor), per pair at ring position ia of its page A, and for issue_s at its page.
+enum PairEvent : int {
+  kPairTop,        // the pair's loop iteration starts
+  kPairSRetired,   // WG0: S_A retired; WG1: S_B retired
+  kPairAReady,     // past kPageAReady (WG0: and its P_A V_A,L issued)
+  kPairBReady,     // past kPageBReady (WG1: P_B published)
+  kPairPvRetired,  // WG0: P_A V_A,L retired; WG1: P_A V_A,R retired
+  kPairEnd,        // the pair's last WGMMAs (and early S) issued
+  kSLeftLanded,    // issue_s: the slot's left part landed (k_full[0] passed), at that page's ring position
+  kSRightLanded,   // issue_s: the right part landed
+};
+// consumer_ds (fp8_ds_mla), per page.
+enum DsEvent : int {
+  kDsTop,          // the page's loop iteration starts
+  kDsTransposed,   // this WG's V^T half written
+  kDsHeadRetired,  // the S head (RoPE, group 0) and the last page's P V retired
+  kDsSRetired,     // group 3 retired: the whole S
+  kDsMaxReady,     // past kMaxReady (both WGs' row maxima)
+  kDsPReady,       // past kPReady (all four P_g tiles)
+  kDsEnd,          // P V issued
+  kDsSlotLanded,   // issue_s_head: the slot landed, at that page's ring position
+};
+// producer, per page.
+enum ProducerEvent : int {
+  kLeftIssued,   // the (left part's) slot was free and its TMA issued
+  kRightIssued,  // bf16 / fp8_per_tensor: the right part's
+};
+
+#ifdef __CUDACC__
+// One thread per warpgroup stamps (its first thread), as a predicated store inside one asm block: a branch around
+// it, next to WGMMAs in flight, would make ptxas serialize them (C7514).
+__device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int event) {
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+  const uint32_t on = uint32_t(buf != nullptr) & uint32_t(threadIdx.x % 128 == 0) & uint32_t(blockIdx.y == 0) &
+                      uint32_t(blockIdx.z == 0) & uint32_t(blockIdx.x < kCtas) & uint32_t(uint32_t(page) < kPages);
+  const std::size_t idx = on ? ((std::size_t(blockIdx.x) * kRoles + role) * kPages + page) * kEvents + event : 0;
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .u64 t;\n setp.ne.u32 p, %0, 0;\n mov.u64 t, %%clock64;\n"
+      " @p st.global.u64 [%1], t;\n}\n" ::"r"(on),
+      "l"(buf + idx)
+      : "memory");
+#endif
+}
+
+// (clock64, globaltimer) into clock words `which` * 2 and + 1 of this CTA (the producer: 0 at start, 1 at end).
+__device__ __forceinline__ void stamp_clocks(uint64_t* buf, int which) {
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+  if (buf == nullptr || blockIdx.x >= kCtas || blockIdx.y != 0 || blockIdx.z != 0) return;
+  uint64_t clock, ns;
+  asm volatile("mov.u64 %0, %%clock64;\n mov.u64 %1, %%globaltimer;\n" : "=l"(clock), "=l"(ns));
+  buf[kStampWords + blockIdx.x * kClockWords + 2 * which] = clock;
+  buf[kStampWords + blockIdx.x * kClockWords + 2 * which + 1] = ns;
+#endif
+}
+#endif  // __CUDACC__
+
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+// Host side. The buffer lives for the process; the launcher passes it to every decode launch once armed (null
+// before: nothing is stamped). A launch captured into a CUDA graph keeps the pointer it saw, so arm before the
+// first call of a jitted decode.
+inline uint64_t*& buffer_slot() {
+  static uint64_t* buf = nullptr;
+  return buf;
+}
+
+inline uint64_t* device_buffer() { return buffer_slot(); }
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("jax_flash_mla event_trace: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Allocates the buffer on first use and zeroes it (a zero stamp reads as "not reached").
+inline void arm() {
+  uint64_t*& buf = buffer_slot();
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (buf == nullptr) check(cudaMalloc(reinterpret_cast<void**>(&buf), kWords * sizeof(uint64_t)), "cudaMalloc");
+  check(cudaMemset(buf, 0, kWords * sizeof(uint64_t)), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+inline std::vector<uint64_t> read() {
+  std::vector<uint64_t> words(kWords, 0);
+  uint64_t* buf = buffer_slot();
+  if (buf == nullptr) throw std::runtime_error("jax_flash_mla event_trace: read before arm");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check(cudaMemcpy(words.data(), buf, kWords * sizeof(uint64_t), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return words;
+}
+#endif
+
+}  // namespace jax_flash_mla::event_trace

@@ -1,0 +1,202 @@
+"""Where a 64-row kernel's page pair (or page) goes: its warpgroups' own clock stamps, laid out against each other.
+
+Needs a build with JAX_FLASH_MLA_EVENT_TRACE (`EVENT_TRACE=ON bash scripts/build_carry.sh`; the stamps and their
+meaning are in cpp/kernels/event_trace.h). Runs one decode of a named shape on random inputs (never zeros) twice
+and reads the stamps of the second run: the first 16 CTAs of KV head 0's first row tile, up to 256 pages each.
+
+    python3 scripts/trace_pipeline.py --format fp8_per_tensor --shape C1 [--batch 128] [--seqlen 8192]
+
+Prints, for every event of both consumer warpgroups and the producer, its time after WG0's start of the same pair
+(bf16 / fp8_per_tensor) or page (fp8_ds_mla): median and 10th / 90th percentiles over the traced pairs, in ns at
+the SM clock the run measured. Then each warpgroup's phases (time between its consecutive events), which say who
+waits for whom. The stamps cost a few instructions each: read the order and the shares, not the absolute times
+(bench.py times builds). Only the 64-row kernels stamp; the few-rows kernels (M1 with an FP8 format) do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+# Layout of the buffer (kernels/event_trace.h): stamps [cta][role][page][event], then (clock64, globaltimer) of
+# each CTA's producer at its start and end.
+ROLES = ("WG0", "WG1", "producer")
+PAIR_EVENTS = ("top", "S retired", "A ready", "B ready", "PV_A retired", "end", "S left landed",
+               "S right landed")
+DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed")
+PRODUCER_EVENTS = ("left issued", "right issued")
+
+
+def unpack(raw: bytes, shape) -> tuple[np.ndarray, np.ndarray]:
+    """(stamps [cta, role, page, event] int64, clocks [cta, 4]) from the module's event_trace_read()."""
+    ctas, roles, pages, events, clock_words = shape
+    words = np.frombuffer(raw, np.uint64).astype(np.int64)
+    n = ctas * roles * pages * events
+    assert words.size == n + ctas * clock_words, (words.size, shape)
+    return words[:n].reshape(ctas, roles, pages, events), words[n:].reshape(ctas, clock_words)
+
+
+def ghz(clocks: np.ndarray) -> float:
+    """SM cycles per ns over the traced CTAs' producer walks (clock64 against globaltimer)."""
+    ok = (clocks[:, 1] > 0) & (clocks[:, 3] > clocks[:, 1])
+    if not ok.any():
+        raise SystemExit("trace_pipeline: no CTA recorded its clocks (was the buffer armed before the decode?)")
+    return float(np.median((clocks[ok, 2] - clocks[ok, 0]) / (clocks[ok, 3] - clocks[ok, 1])))
+
+
+def rows_for(kv_format: str):
+    """(label, role, page offset from the period's first page, event) of every stamp in one period, and the
+    number of pages a period covers (a pair, or fp8_ds_mla's page)."""
+    if kv_format == "fp8_ds_mla":
+        rows = [(f"WG{w} {name}", w, 0, e) for w in (0, 1) for e, name in enumerate(DS_EVENTS[:7])]
+        rows += [(f"WG{w} slot landed (page +1)", w, 1, 7) for w in (0, 1)]
+        rows += [(f"producer issued page +{d}", 2, d, 0) for d in (0, 1, 2)]
+        return rows, 1
+    rows = [(f"WG{w} {name}", w, 0, e) for w in (0, 1) for e, name in enumerate(PAIR_EVENTS[:6])]
+    # issue_s stamps at the page of the S: WG0's next S_A is page +2, WG1's next S_B page +3.
+    rows += [("WG0 next S_A left landed", 0, 2, 6), ("WG0 next S_A right landed", 0, 2, 7),
+             ("WG1 next S_B left landed", 1, 3, 6), ("WG1 next S_B right landed", 1, 3, 7)]
+    rows += [(f"producer page +{d} {PRODUCER_EVENTS[e]}", 2, d, e) for d in (2, 3) for e in (0, 1)]
+    return rows, 2
+
+
+def periods(stamps: np.ndarray, kv_format: str, skip: int = 2):
+    """[(cta, first page, next period's first page)] of every traced period (pair or page) with a successor,
+    without the first and last `skip` of each CTA (chunk starts and the drain)."""
+    step = 1 if kv_format == "fp8_ds_mla" else 2
+    out = []
+    for cta in range(stamps.shape[0]):
+        tops = [p for p in range(stamps.shape[2]) if stamps[cta, 0, p, 0] > 0]
+        # Pairs restart at a chunk's first page: a pair's successor is the next top, whatever its distance.
+        starts = [p for p in tops if p + step <= stamps.shape[2]]
+        for a, b in list(zip(starts, starts[1:]))[skip:-skip or None]:
+            out.append((cta, a, b))
+    return out
+
+
+def layout(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
+    """Per row of rows_for(): (label, median, p10, p90, count) in ns after WG0's top, plus the period's own."""
+    rows, _ = rows_for(kv_format)
+    per_ns = 1.0 / ghz(clocks)
+    spans = periods(stamps, kv_format)
+    if not spans:
+        raise SystemExit("trace_pipeline: no complete period traced (too few pages per CTA?)")
+    table = []
+    for label, role, offset, event in rows + [("WG0 next top (period)", 0, None, 0)]:
+        values = []
+        for cta, a, b in spans:
+            page = b if offset is None else a + offset
+            if page >= stamps.shape[2]:
+                continue
+            t = stamps[cta, role, page, event]
+            if t > 0:
+                values.append((t - stamps[cta, 0, a, 0]) * per_ns)
+        if values:
+            v = np.asarray(values)
+            table.append((label, float(np.median(v)), float(np.percentile(v, 10)), float(np.percentile(v, 90)),
+                          len(v)))
+        else:
+            table.append((label, float("nan"), float("nan"), float("nan"), 0))
+    return table
+
+
+def phases(table):
+    """Each consumer warpgroup's own consecutive steps (median times only): (label, ns)."""
+    medians = {label: med for label, med, *_ in table}
+    out = []
+    for w in ("WG0", "WG1"):
+        own = sorted((med, label) for label, med in medians.items() if label.startswith(w + " ") and
+                     "landed" not in label and np.isfinite(med))
+        for (t0, l0), (t1, l1) in zip(own, own[1:]):
+            out.append((f"{l0} -> {l1[len(w) + 1:]}", t1 - t0))
+    return out
+
+
+def print_report(table, kv_format, pages_per_period):
+    period = next(med for label, med, *_ in table if label.startswith("WG0 next top"))
+    unit = "pair" if pages_per_period == 2 else "page"
+    print(f"{kv_format}: one {unit} every {period:.0f} ns (median), {period / pages_per_period:.0f} ns per 64-row "
+          f"page tile")
+    print(f"{'event (ns after WG0 top)':44s} {'median':>8s} {'p10':>8s} {'p90':>8s} {'n':>6s}")
+    for label, med, lo, hi, n in sorted(table, key=lambda r: (np.nan_to_num(r[1], nan=1e18), r[0])):
+        print(f"{label:44s} {med:8.0f} {lo:8.0f} {hi:8.0f} {n:6d}")
+    print("phases (median ns between a warpgroup's consecutive events):")
+    for label, ns in phases(table):
+        print(f"  {label:60s} {ns:8.0f}")
+
+
+def run_decode(args):
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax_flash_mla as fm
+    from jax_flash_mla import _ffi
+    from jax_flash_mla.bench import SHAPES
+    from jax_flash_mla.formats import HEAD_DIM_QK, PAGE_SIZE
+
+    ext = _ffi._ext
+    if ext is None or not hasattr(ext, "event_trace_arm"):
+        raise SystemExit("trace_pipeline: this extension was not built with JAX_FLASH_MLA_EVENT_TRACE "
+                         "(EVENT_TRACE=ON bash scripts/build_carry.sh)")
+    if args.format not in fm.kernel_formats():
+        raise SystemExit(f"trace_pipeline: no {args.format} kernel in this build")
+    shape = SHAPES[args.shape]
+    if shape.seqlen_q * shape.heads_q <= 16 and args.format != "bf16":
+        raise SystemExit(f"trace_pipeline: {args.shape} runs the few-rows kernel for {args.format}, which has no stamps")
+    b, pages = args.batch, -(-args.seqlen // PAGE_SIZE)
+    kq, kk, kp = jax.random.split(jax.random.key(args.seed), 3)
+    q = jax.random.normal(kq, (b, shape.seqlen_q, shape.heads_q, HEAD_DIM_QK), jnp.float32)
+    latent = jax.random.normal(kk, (b * pages, PAGE_SIZE, 1, HEAD_DIM_QK), jnp.bfloat16)
+    table = jax.random.permutation(kp, b * pages).reshape(b, pages).astype(jnp.int32)
+    lengths = jnp.full((b,), args.seqlen, jnp.int32)
+    kwargs = {}
+    if args.format == "fp8_per_tensor":
+        descale_q = jnp.abs(q).max() / 448
+        descale_k = jnp.abs(latent.astype(jnp.float32)).max() / 448
+        q = (q / descale_q).astype(jnp.float8_e4m3fn)
+        cache = fm.quantize_kv_cache(latent, args.format, descale_k)
+        kwargs = dict(descale_q=descale_q.reshape(()), descale_k=descale_k.reshape(()))
+    else:
+        q = q.astype(jnp.bfloat16)
+        cache = fm.quantize_kv_cache(latent, args.format)
+    del latent
+    meta = fm.get_mla_metadata(lengths, shape.seqlen_q * shape.heads_q, 1)
+    decode = jax.jit(lambda q, cache, table, lengths, meta, kw: fm.flash_mla_with_kvcache(
+        q, cache, table, lengths, 512, meta, causal=shape.causal, kv_format=args.format, implementation="kernel",
+        **kw))
+    # Armed before the first call: a launch captured into a CUDA graph keeps the buffer pointer it saw.
+    ext.event_trace_arm()
+    jax.block_until_ready(decode(q, cache, table, lengths, meta, kwargs))
+    ext.event_trace_arm()  # zeroed: the second, warm call is the one read
+    out, lse = jax.block_until_ready(decode(q, cache, table, lengths, meta, kwargs))
+    checksum = float(jnp.abs(out.astype(jnp.float32)).sum())
+    print(f"trace_pipeline {args.format} {args.shape} b={b} s_k={args.seqlen}: sum|out|={checksum:.6e} "
+          f"finite={bool(jnp.isfinite(lse).all())}")
+    return ext.event_trace_read(), tuple(ext.EVENT_TRACE_SHAPE)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", required=True, choices=("bf16", "fp8_per_tensor", "fp8_ds_mla"))
+    ap.add_argument("--shape", default="C1", choices=("M1", "C1", "C2"))
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", help="also write the raw stamps and clocks to this .npz")
+    args = ap.parse_args(argv)
+    raw, shape = run_decode(args)
+    stamps, clocks = unpack(raw, shape)
+    if args.save:
+        np.savez_compressed(args.save, stamps=stamps, clocks=clocks, format=args.format)
+    print(f"SM clock {ghz(clocks):.3f} GHz (clock64 against globaltimer over the traced CTAs)")
+    _, pages_per_period = rows_for(args.format)
+    print_report(layout(stamps, clocks, args.format), args.format, pages_per_period)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""scripts/trace_pipeline.py (a GPU debugging aid) lays out the kernel's event stamps; its analysis is checked here on
+a synthetic buffer whose schedule is known, laid out exactly as cpp/kernels/event_trace.h writes it."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "trace_pipeline", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "trace_pipeline.py")
+trace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace)
+
+SHAPE = (3, 3, 64, 8, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
+GHZ = 2.0
+PERIOD = 3000  # cycles per pair
+# Cycles after WG0's top of the pair, by (role, event); S landing stamps sit at the page of that S.
+WG0 = {0: 0, 1: 400, 2: 900, 3: 1700, 4: 1900, 5: 2500}
+WG1 = {0: 100, 1: 600, 2: 950, 3: 1600, 4: 2100, 5: 2800}
+
+
+def synthetic_pairs(skip_cta=None):
+    ctas, roles, pages, events, clock_words = SHAPE
+    stamps = np.zeros((ctas, roles, pages, events), np.uint64)
+    clocks = np.zeros((ctas, clock_words), np.uint64)
+    for cta in range(ctas):
+        if cta == skip_cta:
+            continue
+        base = 10_000 + 777 * cta
+        for pair, ia in enumerate(range(0, 40, 2)):
+            t0 = base + pair * PERIOD
+            for e, dt in WG0.items():
+                stamps[cta, 0, ia, e] = t0 + dt
+            for e, dt in WG1.items():
+                stamps[cta, 1, ia, e] = t0 + dt
+            stamps[cta, 0, ia, 6] = t0 - 500  # this pair's S_A left part landed, before its top
+            stamps[cta, 2, ia, 0] = t0 - 2000
+        clocks[cta] = [base, 1_000_000, base + 40 * PERIOD, 1_000_000 + int(40 * PERIOD / GHZ)]
+    raw = np.concatenate([stamps.ravel(), clocks.ravel()]).tobytes()
+    return raw
+
+
+def test_unpack_round_trips_the_buffer_layout():
+    stamps, clocks = trace.unpack(synthetic_pairs(), SHAPE)
+    assert stamps.shape == SHAPE[:4] and clocks.shape == (SHAPE[0], SHAPE[4])
+    assert stamps[1, 1, 4, 3] == 10_000 + 777 + 2 * PERIOD + WG1[3]
+    with pytest.raises(AssertionError):
+        trace.unpack(synthetic_pairs()[:-8], SHAPE)
+
+
+def test_layout_recovers_the_schedule_in_ns():
+    stamps, clocks = trace.unpack(synthetic_pairs(skip_cta=2), SHAPE)  # an untraced CTA is ignored
+    assert trace.ghz(clocks) == pytest.approx(GHZ)
+    table = {label: (med, lo, hi, n) for label, med, lo, hi, n in trace.layout(stamps, clocks, "fp8_per_tensor")}
+    # 20 pairs per CTA, the first and last two skipped, the last one has no successor: 15 per CTA, 2 CTAs.
+    assert table["WG0 next top (period)"] == (PERIOD / GHZ, PERIOD / GHZ, PERIOD / GHZ, 30)
+    assert table["WG1 B ready"][0] == pytest.approx(WG1[3] / GHZ)
+    assert table["WG0 PV_A retired"][0] == pytest.approx(WG0[4] / GHZ)
+    assert table["WG0 next S_A left landed"][0] == pytest.approx((PERIOD - 500) / GHZ)
+    assert table["producer page +2 left issued"][0] == pytest.approx((PERIOD - 2000) / GHZ)
+    assert table["WG1 next S_B right landed"][3] == 0  # never stamped: reported as missing, not as 0 ns
+    phases = dict(trace.phases(list((k, *v) for k, v in table.items())))
+    assert phases["WG0 A ready -> B ready"] == pytest.approx((WG0[3] - WG0[2]) / GHZ)
+    assert phases["WG1 S retired -> A ready"] == pytest.approx((WG1[2] - WG1[1]) / GHZ)
+
+
+def test_an_unarmed_buffer_is_an_error_not_a_report():
+    raw = np.zeros(int(np.prod(SHAPE[:4])) + SHAPE[0] * SHAPE[4], np.uint64).tobytes()
+    stamps, clocks = trace.unpack(raw, SHAPE)
+    with pytest.raises(SystemExit, match="armed"):
+        trace.ghz(clocks)
