@@ -25,8 +25,9 @@ import numpy as np
 # each CTA's producer at its start and end.
 ROLES = ("WG0", "WG1", "producer")
 PAIR_EVENTS = ("top", "S retired", "A ready", "B ready", "PV_A retired", "end", "S left landed",
-               "S right landed")
-DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed")
+               "S right landed", "S waits")
+DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed",
+             "slot wait")
 PRODUCER_EVENTS = ("left issued", "right issued")
 
 
@@ -52,13 +53,13 @@ def rows_for(kv_format: str):
     number of pages a period covers (a pair, or fp8_ds_mla's page)."""
     if kv_format == "fp8_ds_mla":
         rows = [(f"WG{w} {name}", w, 0, e) for w in (0, 1) for e, name in enumerate(DS_EVENTS[:7])]
-        rows += [(f"WG{w} slot landed (page +1)", w, 1, 7) for w in (0, 1)]
+        rows += [(f"WG{w} {DS_EVENTS[e]} (page +1)", w, 1, e) for w in (0, 1) for e in (8, 7)]
         rows += [(f"producer issued page +{d}", 2, d, 0) for d in (0, 1, 2)]
         return rows, 1
     rows = [(f"WG{w} {name}", w, 0, e) for w in (0, 1) for e, name in enumerate(PAIR_EVENTS[:6])]
     # issue_s stamps at the page of the S: WG0's next S_A is page +2, WG1's next S_B page +3.
-    rows += [("WG0 next S_A left landed", 0, 2, 6), ("WG0 next S_A right landed", 0, 2, 7),
-             ("WG1 next S_B left landed", 1, 3, 6), ("WG1 next S_B right landed", 1, 3, 7)]
+    rows += [(f"WG{w} next S_{ab} {name}", w, offset, e) for w, ab, offset in ((0, "A", 2), (1, "B", 3))
+             for name, e in (("waits", 8), ("left landed", 6), ("right landed", 7))]
     rows += [(f"producer page +{d} {PRODUCER_EVENTS[e]}", 2, d, e) for d in (2, 3) for e in (0, 1)]
     return rows, 2
 

@@ -12,7 +12,7 @@ _spec = importlib.util.spec_from_file_location(
 trace = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(trace)
 
-SHAPE = (3, 3, 64, 8, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
+SHAPE = (3, 3, 64, 10, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
 GHZ = 2.0
 PERIOD = 3000  # cycles per pair
 # Cycles after WG0's top of the pair, by (role, event); S landing stamps sit at the page of that S.

@@ -25,7 +25,7 @@ namespace jax_flash_mla::event_trace {
 inline constexpr int kCtas = 16;    // CTAs (x, 0, 0) with x < kCtas: KV head 0, query-row tile 0
 inline constexpr int kRoles = 3;    // consumer WG0, consumer WG1, producer
 inline constexpr int kPages = 256;  // ring positions (pages a CTA consumed so far, across chunks)
-inline constexpr int kEvents = 8;
+inline constexpr int kEvents = 10;
 inline constexpr int kClockWords = 4;
 inline constexpr std::size_t kStampWords = std::size_t(kCtas) * kRoles * kPages * kEvents;
 inline constexpr std::size_t kWords = kStampWords + std::size_t(kCtas) * kClockWords;
@@ -41,6 +41,7 @@ enum PairEvent : int {
   kPairEnd,        // the pair's last WGMMAs (and early S) issued
   kSLeftLanded,    // issue_s: the slot's left part landed (k_full[0] passed), at that page's ring position
   kSRightLanded,   // issue_s: the right part landed
+  kSWaitStart,     // issue_s: before waiting for the left part (landed - this > 0: the S waited for its page)
 };
 // consumer_ds (fp8_ds_mla), per page.
 enum DsEvent : int {
@@ -52,6 +53,7 @@ enum DsEvent : int {
   kDsPReady,       // past kPReady (all four P_g tiles)
   kDsEnd,          // P V issued
   kDsSlotLanded,   // issue_s_head: the slot landed, at that page's ring position
+  kDsSlotWait,     // issue_s_head: before waiting for the slot
 };
 // producer, per page.
 enum ProducerEvent : int {

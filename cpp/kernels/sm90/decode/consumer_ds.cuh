@@ -219,6 +219,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   constexpr int kGroupSteps = Tr::kGroupChannels / 32;
   auto issue_s_head = [&](int i) __attribute__((always_inline)) {
     const int st = i % Tr::kNumStages;
+    stamp(args, wg, i, event_trace::kDsSlotWait);
     mbarrier_wait(&plan.k_full[st], (i / Tr::kNumStages) & 1);
     stamp(args, wg, i, event_trace::kDsSlotLanded);
     Tensor tSrKN = k_nope(st);

@@ -106,6 +106,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
+    stamp(args, wg, i, event_trace::kSWaitStart);
     mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
     stamp(args, wg, i, event_trace::kSLeftLanded);
     warpgroup_arrive();
