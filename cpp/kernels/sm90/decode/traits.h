@@ -154,6 +154,7 @@ struct Traits<config::KvFormat::kBf16> {
   // with it (k_empty[.][1] counts 8 warps). (Each WG reads its own P from
   // registers.)
   static constexpr bool kPInRopeSlab = true;
+  static constexpr int kNumPTiles = 0;
   // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
   // on M1 against 324-331 us here (session 8), the page loads bound it either way.
   static constexpr int kNarrowRows = 0;
