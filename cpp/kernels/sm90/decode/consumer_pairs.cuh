@@ -68,12 +68,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     __syncwarp();
     mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
   };
-  // The P tile of page i (page_role 0: A, 1: B): its slot's RoPE slab (bf16)
-  // or the pair's tile of that role.
+  // The P tile of page i (page_role 0: A, 1: B): the pair's tile of that
+  // role, or for bf16's P_A its slot's RoPE slab.
   auto p_tile = [&](int i, int page_role) {
     Element* base;
     if constexpr (Tr::kPInRopeSlab) {
-      base = plan.k[stage_of(i)] + decode_cfg::kHeadDimV * kBlockN;  // slab 8 of the slot
+      static_assert(Tr::kNumPTiles == 1, "P_A in the RoPE slab, P_B in the tile");
+      base = page_role == 0 ? plan.k[stage_of(i)] + decode_cfg::kHeadDimV * kBlockN : plan.p[0];  // slab 8
     } else {
       base = plan.p[page_role];
     }
@@ -99,23 +100,33 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
   };
 
-  // S = Q K^T of page i over the 576 channels; the left part's k-steps
-  // are issued while the right part may still be landing.
+  // S = Q K^T of page i over the 576 channels; the k-steps of the part
+  // that lands first (left, or right for a page B with kBRightFirst) are
+  // issued while the other part may still be landing.
   // (always_inline: called from three places, it would otherwise become a
   // call, with the accumulators passed through the stack.)
-  auto issue_s = [&](int i) __attribute__((always_inline)) {
+  auto issue_s = [&](int i, bool right_first) __attribute__((always_inline)) {
     Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
     stamp(args, wg, i, event_trace::kSWaitStart);
-    mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
-    stamp(args, wg, i, event_trace::kSLeftLanded);
+    const int first = right_first ? 1 : 0;
+    mbarrier_wait(&plan.k_full[stage_of(i)][first], phase_of(i));
+    stamp(args, wg, i, first == 0 ? event_trace::kSLeftLanded : event_trace::kSRightLanded);
     warpgroup_arrive();
-    wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
-    mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
-    stamp(args, wg, i, event_trace::kSRightLanded);
+    if (right_first) {
+      wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false, kLeftSteps);
+    } else {
+      wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
+    }
+    mbarrier_wait(&plan.k_full[stage_of(i)][1 - first], phase_of(i));
+    stamp(args, wg, i, first == 0 ? event_trace::kSRightLanded : event_trace::kSLeftLanded);
     warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
-    wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
+    if (right_first) {
+      wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true);
+    } else {
+      wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
+    }
     warpgroup_commit_batch();
   };
   // O_w (+)= P V_w with P from shared memory ...
@@ -265,8 +276,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // With early S, the first pair's S are issued here.
     const int page_begin = c.first_page(), page_end = c.end_page();
     if (page_begin < page_end) {
-      if (wg == 0 && kEarlyS) issue_s(it);
-      if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1);
+      if (wg == 0 && kEarlyS) issue_s(it, false);
+      if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1, Tr::kBRightFirst);
     }
 
     // One pair loop per warpgroup (the branch outside the loops), so that
@@ -278,7 +289,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         float factor[2];
         stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
-        if (!kEarlyS) issue_s(ia);
+        if (!kEarlyS) issue_s(ia, false);
         if constexpr (Tr::kVNeedsTranspose) {
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
         }
@@ -308,6 +319,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
+          // WG0 never reads page B's right part (P_B has its own tile); all
+          // arrivals for the slot's last page came before this barrier.
+          if constexpr (Tr::kPInRopeSlab) release_part(ib, 1);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           stamp(args, 0, ia, event_trace::kPairPvRetired);
@@ -316,12 +330,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
-            issue_s(ib + 1);
+            issue_s(ib + 1, false);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
-            if constexpr (Tr::kPInRopeSlab) release_part(ib, 1);  // ... and with it the read of P_B
           }
         } else {
           warpgroup_wait<0>();
@@ -337,7 +350,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         float factor[2];
         stamp(args, 1, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG1: page B
-        if (!kEarlyS && has_b) issue_s(ib);
+        if (!kEarlyS && has_b) issue_s(ib, Tr::kBRightFirst);
         if constexpr (Tr::kVNeedsTranspose) {
           // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
           // V^T_B,R by its P_B V_B,R, queued before S_B.
@@ -386,7 +399,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (has_b) {
           accumulate_own_page(tSrSb, ib, 1, factor, true);
           if (kEarlyS && next_has_b) {
-            issue_s(ib + 2);
+            issue_s(ib + 2, Tr::kBRightFirst);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);

@@ -147,14 +147,19 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr bool kOwnPInRegisters = true;
   // Lazy rescale (softmax.h): p <= 2^8, far inside bf16.
   static constexpr int kLazyRescaleLog2 = 8;
-  // Each page's P lives in its own K slot, in the RoPE slab (slab 8, channels
-  // 512-575: read only by the page's S, and laid out as a 64 x 64 K-major
-  // SW128 tile, as P is). WG1 then publishes P_B without waiting for its read
-  // of P_A, and the right part of a slot goes back once both WGs are done
-  // with it (k_empty[.][1] counts 8 warps). (Each WG reads its own P from
-  // registers.)
+  // P_A lives in page A's K slot, in the RoPE slab (slab 8, channels 512-575:
+  // read only by the page's S, and laid out as a 64 x 64 K-major SW128 tile,
+  // as P is), and P_B in a tile of its own. WG1 then publishes P_B without
+  // waiting for its read of P_A. The right part of a slot goes back once both
+  // WGs are done with it (k_empty[.][1] counts 8 warps); WG0 never reads page
+  // B's, so page B's right part goes back when WG1's P_B V_B,R retired, and
+  // the producer refills it first (kBRightFirst). (Each WG reads its own P
+  // from registers.)
   static constexpr bool kPInRopeSlab = true;
-  static constexpr int kNumPTiles = 0;
+  static constexpr int kNumPTiles = 1;
+  // Page B's slot: refilled right part first, and S_B runs on it first (the
+  // event trace of session 15: the next S_B waited ~1 us for its page).
+  static constexpr bool kBRightFirst = true;
   // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
   // on M1 against 324-331 us here (session 8), the page loads bound it either way.
   static constexpr int kNarrowRows = 0;
@@ -163,7 +168,7 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kKElems = decode_cfg::kBlockN * decode_cfg::kHeadDimQK;
   static constexpr int kPElems = decode_cfg::kBlockM * decode_cfg::kBlockN;
 
-  // 216 KB of tiles + 1 KB of row statistics + barriers: 217 KB, under the
+  // 224 KB of tiles + 1 KB of row statistics + barriers: 225 KB, under the
   // 227 KB a block may opt into on sm_90. Two stages hold
   // exactly one page pair: each part of a slot is refilled as soon as its
   // last reader retired, and the next pair's S starts on the left parts.
@@ -172,6 +177,7 @@ struct Traits<config::KvFormat::kBf16> {
     // pattern repeats every 8 rows of 128 bytes; TMA requires it too).
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element p[kNumPTiles][kPElems];  // P_B
     // Running row maxima after page A (written by WG0) and after page B (WG1).
     float ref_max[2][decode_cfg::kBlockM];
     // Partial row sums at the end of a chunk, per warpgroup.
@@ -245,6 +251,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
+  static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
 
