@@ -20,9 +20,9 @@ namespace jax_flash_mla::sm90 {
 //   WG1: S_B -> [kPageAReady] -> rescale -> P_A V_A,R, softmax B (a
 //        register copy of S_B, as an accumulator written by other
 //        instructions while a WGMMA is in flight makes ptxas serialize
-//        every WGMMA, C7515) -> publish P_B, m_B (kPageBReady) -> retire
-//        -> rescale -> P_B V_B,R (P_B has a tile of its own: bf16's slot
-//        RoPE slab, fp8_per_tensor's second P tile)
+//        every WGMMA, C7515) -> retire -> publish P_B, m_B (kPageBReady)
+//        -> rescale -> P_B V_B,R (bf16 publishes P_B, which has a tile of
+//        its own, before the retire)
 // WG w hands back part w of both slots (the left part holds V_L, the
 // right one V_R and RoPE); the other WG's reads of that part (its S) have
 // retired before the pair's ready barrier it passed.
@@ -387,17 +387,26 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
         }
-        // P_B goes out while P_A V_A,R runs: its tile is not P_A's, and its
-        // last readers (the last pair's P_B V_B) retired before kPageAReady.
-        // P_A V_A,R retires before O is rescaled.
-        if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
-        stamp(args, 1, ia, event_trace::kPairBReady);
+        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
+        // its last reader, the last pair's P_B V_B,L, retired before
+        // kPageAReady). P_A V_A,R retires before O is rescaled.
+        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
+        // gain from publishing it early: experiment pbearly, session 15.)
+        if constexpr (Tr::kPInRopeSlab) {
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+          stamp(args, 1, ia, event_trace::kPairBReady);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         stamp(args, 1, ia, event_trace::kPairPvRetired);
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
         if (has_b) {
-          accumulate_own_page(tSrSb, ib, 1, factor, true);
+          if constexpr (Tr::kPInRopeSlab) {
+            accumulate_own_page(tSrSb, ib, 1, factor, true);
+          } else {
+            publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+            stamp(args, 1, ia, event_trace::kPairBReady);
+          }
           if (kEarlyS && next_has_b) {
             issue_s(ib + 2, Tr::kBRightFirst);
           } else {
