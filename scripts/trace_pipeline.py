@@ -29,6 +29,8 @@ PAIR_EVENTS = ("top", "S retired", "A ready", "B ready", "PV_A retired", "end", 
 DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed",
              "slot wait")
 PRODUCER_EVENTS = ("left issued", "right issued")
+# Per chunk, at the ring position of its first page (start, Q loaded) or last page (pages done, epilogue done).
+CHUNK_START, Q_LOADED, PAGES_DONE, EPILOGUE_DONE = 10, 11, 12, 13
 
 
 def unpack(raw: bytes, shape) -> tuple[np.ndarray, np.ndarray]:
@@ -116,6 +118,40 @@ def phases(table):
     return out
 
 
+def chunk_boundaries(stamps: np.ndarray, clocks: np.ndarray):
+    """WG0's chunk hand-overs, in ns: the kernel's start [(producer start -> first chunk start, its Q load, Q loaded
+    -> first top)] and every boundary between chunks [(epilogue, epilogue done -> next start, next Q load, Q loaded
+    -> first top)]."""
+    per_ns = 1.0 / ghz(clocks)
+    starts, boundaries = [], []
+    for cta in range(stamps.shape[0]):
+        s = stamps[cta, 0]
+        for k, page in enumerate(np.nonzero(s[:, CHUNK_START])[0]):
+            start, q_loaded, top = s[page, CHUNK_START], s[page, Q_LOADED], s[page, 0]
+            if not (q_loaded and top):
+                continue
+            if k == 0:
+                if clocks[cta, 0]:
+                    starts.append(((start - clocks[cta, 0]) * per_ns, (q_loaded - start) * per_ns,
+                                   (top - q_loaded) * per_ns))
+            elif page > 0 and s[page - 1, PAGES_DONE] and s[page - 1, EPILOGUE_DONE]:
+                done, written = s[page - 1, PAGES_DONE], s[page - 1, EPILOGUE_DONE]
+                boundaries.append(((written - done) * per_ns, (start - written) * per_ns,
+                                   (q_loaded - start) * per_ns, (top - q_loaded) * per_ns))
+    return np.asarray(starts).reshape(-1, 3), np.asarray(boundaries).reshape(-1, 4)
+
+
+def print_chunks(starts, boundaries):
+    if len(starts):
+        a, b, c = np.median(starts, axis=0)
+        print(f"kernel start (median of {len(starts)} CTAs, WG0): producer start -> first chunk {a:.0f} ns, its Q load "
+              f"{b:.0f} ns, Q loaded -> first top {c:.0f} ns")
+    if len(boundaries):
+        a, b, c, d = np.median(boundaries, axis=0)
+        print(f"chunk boundaries (median of {len(boundaries)}, WG0): epilogue {a:.0f} ns, -> next chunk {b:.0f} ns, "
+              f"its Q load {c:.0f} ns, Q loaded -> first top {d:.0f} ns; total {a + b + c + d:.0f} ns")
+
+
 def print_report(table, kv_format, pages_per_period):
     period = next(med for label, med, *_ in table if label.startswith("WG0 next top"))
     unit = "pair" if pages_per_period == 2 else "page"
@@ -196,6 +232,7 @@ def main(argv=None) -> int:
     print(f"SM clock {ghz(clocks):.3f} GHz (clock64 against globaltimer over the traced CTAs)")
     _, pages_per_period = rows_for(args.format)
     print_report(layout(stamps, clocks, args.format), args.format, pages_per_period)
+    print_chunks(*chunk_boundaries(stamps, clocks))
     return 0
 
 

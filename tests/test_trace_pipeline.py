@@ -12,7 +12,7 @@ _spec = importlib.util.spec_from_file_location(
 trace = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(trace)
 
-SHAPE = (3, 3, 64, 10, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
+SHAPE = (3, 3, 64, 14, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
 GHZ = 2.0
 PERIOD = 3000  # cycles per pair
 # Cycles after WG0's top of the pair, by (role, event); S landing stamps sit at the page of that S.
@@ -70,3 +70,17 @@ def test_an_unarmed_buffer_is_an_error_not_a_report():
     stamps, clocks = trace.unpack(raw, SHAPE)
     with pytest.raises(SystemExit, match="armed"):
         trace.ghz(clocks)
+
+
+def test_chunk_boundaries_split_a_hand_over_into_its_steps():
+    ctas, roles, pages, events, clock_words = SHAPE
+    stamps = np.zeros((ctas, roles, pages, events), np.int64)
+    clocks = np.zeros((ctas, clock_words), np.int64)
+    clocks[0] = [1000, 500, 1000 + 2 * 10**6, 500 + 10**6]  # 2 cycles per ns
+    s = stamps[0, 0]
+    s[0, [trace.CHUNK_START, trace.Q_LOADED, 0]] = [1400, 3400, 4000]  # first chunk: pages 0-4
+    s[4, [trace.PAGES_DONE, trace.EPILOGUE_DONE]] = [50_000, 52_000]
+    s[5, [trace.CHUNK_START, trace.Q_LOADED, 0]] = [52_200, 60_200, 61_000]  # second chunk from page 5
+    starts, boundaries = trace.chunk_boundaries(stamps, clocks)
+    np.testing.assert_allclose(starts, [[200, 1000, 300]])
+    np.testing.assert_allclose(boundaries, [[1000, 100, 4000, 400]])

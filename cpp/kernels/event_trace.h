@@ -25,7 +25,7 @@ namespace jax_flash_mla::event_trace {
 inline constexpr int kCtas = 16;    // CTAs (x, 0, 0) with x < kCtas: KV head 0, query-row tile 0
 inline constexpr int kRoles = 3;    // consumer WG0, consumer WG1, producer
 inline constexpr int kPages = 256;  // ring positions (pages a CTA consumed so far, across chunks)
-inline constexpr int kEvents = 10;
+inline constexpr int kEvents = 14;
 inline constexpr int kClockWords = 4;
 inline constexpr std::size_t kStampWords = std::size_t(kCtas) * kRoles * kPages * kEvents;
 inline constexpr std::size_t kWords = kStampWords + std::size_t(kCtas) * kClockWords;
@@ -54,6 +54,14 @@ enum DsEvent : int {
   kDsEnd,          // P V issued
   kDsSlotLanded,   // issue_s_head: the slot landed, at that page's ring position
   kDsSlotWait,     // issue_s_head: before waiting for the slot
+};
+// Both consumers, per chunk (a run of one sequence's pages): at the ring position of the chunk's first page
+// (start, Q loaded) or last page (pages done, epilogue done).
+enum ChunkEvent : int {
+  kChunkStart = 10,  // before the chunk's Q load
+  kQLoaded,          // Q in shared memory (past kQReady)
+  kPagesDone,        // the chunk's last WGMMA retired
+  kEpilogueDone,     // O and lse (or the split partials) written
 };
 // producer, per page.
 enum ProducerEvent : int {

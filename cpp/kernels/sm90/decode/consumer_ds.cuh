@@ -239,7 +239,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   walk.begin_split_idx = 0;
   int it = 0;
   for_each_chunk(p, walk, [&](const Chunk& c) {
+    stamp(args, wg, it, event_trace::kChunkStart);
     load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
+    stamp(args, wg, it, event_trace::kQLoaded);
     if (c.first_page() < c.end_page()) issue_s_head(it);
 
     OnlineSoftmaxState softmax;
@@ -411,6 +413,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+    stamp(args, wg, it - 1, event_trace::kPagesDone);
     // O_g * N_g / kPNormalizer: the true O_g (a chunk without pages leaves O unread:
     // the epilogue writes zeros for rows without keys).
     if (page_begin < page_end) {
@@ -425,6 +428,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     Chunk ce = c;
     ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
     epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
+    stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   });
 }
 

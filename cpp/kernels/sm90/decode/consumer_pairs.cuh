@@ -258,7 +258,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // inlined, and O would then live in local memory.
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
+    stamp(args, wg, it, event_trace::kChunkStart);
     load_q(p, plan, c.batch, head_k, m_block, ctid);
+    stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
     const int min_limit = visible_limits(p, c, c.seqlen, m_block, rows, limit);
@@ -422,7 +424,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // WGMMA, C7514), so say it.
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+    stamp(args, wg, it - 1, event_trace::kPagesDone);
     epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
+    stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }
 }
 
