@@ -414,7 +414,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     stamp(args, wg, it - 1, event_trace::kPagesDone);
-    if (c.batch < walk.end_batch) prefetch_next_chunk(p, c.batch + 1, head_k, m_block, ctid);  // under the epilogue
     // O_g * N_g / kPNormalizer: the true O_g (a chunk without pages leaves O unread:
     // the epilogue writes zeros for rows without keys).
     if (page_begin < page_end) {

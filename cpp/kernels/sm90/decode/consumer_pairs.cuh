@@ -425,7 +425,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     stamp(args, wg, it - 1, event_trace::kPagesDone);
-    if (b < meta.end_batch) prefetch_next_chunk(p, b + 1, head_k, m_block, ctid);  // under the epilogue's writes
     epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }

@@ -214,35 +214,6 @@ struct SplitKvMlaKernel {
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
   }
 
-  // Warms L2 with the Q tile of `batch` (the next chunk's) and the words the hand-over to it reads (num_splits of
-  // the chunk ending, cache_seqlens of the next), issued by the consumers during a chunk's last pages: at a
-  // hand-over the next chunk's Q load otherwise waits for DRAM behind the producer's page stream (2.5-7 us a
-  // hand-over at C1, event trace of session 15). Prefetches are hints: nothing waits for them.
-  __device__ static void prefetch_next_chunk(const DecodeParams& p, int batch, int head_k, int m_block, int ctid) {
-    constexpr int kElemBytes = Tr::kScaleGroups ? 2 : int(sizeof(Element));  // q is bf16 for fp8_ds_mla
-    constexpr int kRowBytes = decode_cfg::kHeadDimQK * kElemBytes;
-    constexpr int kLinesPerRow = kRowBytes / 128 + 1;  // a row that does not start on a line touches one more
-    constexpr int kPerThread = (kBlockM * kLinesPerRow + kConsumers - 1) / kConsumers;
-    const char* q = static_cast<const char*>(p.q) + int64_t(batch) * p.q_batch_stride * kElemBytes;
-    CUTE_UNROLL
-    for (int j = 0; j < kPerThread; ++j) {
-      const int i = ctid + j * kConsumers;
-      const int row = i / kLinesPerRow;
-      const int r = m_block * kBlockM + row;
-      if (row < kBlockM && r < p.q_rows_per_head_k) {
-        const int s = r / p.heads_per_head_k;
-        const int h = head_k * p.heads_per_head_k + r % p.heads_per_head_k;
-        const char* line = q + (int64_t(s) * p.q_seq_stride + int64_t(h) * p.q_head_stride) * kElemBytes +
-                           min((i % kLinesPerRow) * 128, kRowBytes - 1);
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
-      }
-    }
-    if (ctid == 0) {
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.num_splits + batch - 1));
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.cache_seqlens + batch));
-    }
-  }
-
   // ------------------------------------------ per-page steps of both consumers
   // Each consumer warp hands a K slot back once its share of the WGMMAs
   // reading it has retired (k_empty counts 8 warp arrivals).
