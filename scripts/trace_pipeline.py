@@ -183,7 +183,8 @@ def run_decode(args):
         raise SystemExit(f"trace_pipeline: no {args.format} kernel in this build")
     shape = SHAPES[args.shape]
     if shape.seqlen_q * shape.heads_q <= 16 and args.format != "bf16":
-        raise SystemExit(f"trace_pipeline: {args.shape} runs the few-rows kernel for {args.format}, which has no stamps")
+        raise SystemExit(f"trace_pipeline: {args.shape} runs the few-rows kernel for {args.format}, "
+                         "which has no stamps")
     b, pages = args.batch, -(-args.seqlen // PAGE_SIZE)
     kq, kk, kp = jax.random.split(jax.random.key(args.seed), 3)
     q = jax.random.normal(kq, (b, shape.seqlen_q, shape.heads_q, HEAD_DIM_QK), jnp.float32)
