@@ -1,10 +1,10 @@
-"""A host model of bf16's page pairs with each page's P in its own K slot's RoPE slab (Traits::kPInRopeSlab,
-consumer_pairs.cuh): the producer's TMA lane and the two consumer WGs as coroutines over mbarriers (k_full /
-k_empty per slot part), named barriers and WGMMA groups, in random interleavings over random chunk layouts. It
-fails on a deadlock, on an mbarrier wait whose parity would name the wrong phase, on a TMA write into a slot part
-that an unretired WGMMA still reads, on a P store into a slab that the page's S has not finished reading or that
-holds another page, and on a WGMMA reading another page's P. The consumers' steps are transcribed by hand from
-the kernel: keep them in step.
+"""A host model of bf16's page pairs with P_A in page A's K slot RoPE slab and P_B in a tile of its own
+(Traits::kPInRopeSlab, kBRightFirst; consumer_pairs.cuh): the producer's TMA lane and the two consumer WGs as
+coroutines over mbarriers (k_full / k_empty per slot part), named barriers and WGMMA groups, in random interleavings
+over random chunk layouts. It fails on a deadlock, on an mbarrier wait whose parity would name the wrong phase, on a
+TMA write into a slot part that an unretired WGMMA still reads, on a P store into a slab that the page's S has not
+finished reading or that holds another page, on a P_B store under an unretired read of the P tile, and on a WGMMA
+reading another page's P. The consumers' steps are transcribed by hand from the kernel: keep them in step.
 
     python3 scripts/model_p_in_rope_slab.py [runs, default 3000]
 """
@@ -44,7 +44,8 @@ class State:
         self.k_full = [[MBar(f"k_full{s}.{q}", 1) for q in range(2)] for s in range(STAGES)]
         self.k_empty = [[MBar(f"k_empty{s}.{q}", 4 if q == 0 else 8) for q in range(2)] for s in range(STAGES)]
         self.slot = [[None, None] for _ in range(STAGES)]  # page held by each part of each slot
-        self.p_owner = [None] * STAGES  # page whose P the RoPE slab holds
+        self.p_owner = [None] * STAGES  # page whose P_A the RoPE slab holds
+        self.p_tile_owner = None  # page whose P_B the P tile holds
         self.groups = {0: [], 1: []}
         self.named = {}
 
@@ -57,9 +58,10 @@ def wait(cond, what):
 
 
 def producer(st):
-    for it in range(st.n_pages):
+    pages = [offset for n in st.chunks for offset in range(n)]  # each page's offset in its chunk
+    for it, offset in enumerate(pages):
         s, k = it % STAGES, it // STAGES
-        for part in range(2):  # left part first
+        for part in ((1, 0) if offset % 2 else (0, 1)):  # left part first; a page B's right part first
             yield wait(lambda part=part: st.k_empty[s][part].ready(k - 1), f"producer k_empty {it}.{part}")
             assert not st.unretired(("k", s, part)), f"TMA into slot {s} part {part} under an unretired read"
             if part == 1:
@@ -81,9 +83,9 @@ class WG:
         g = self.st.groups[self.wg]
         del g[: max(len(g) - n, 0)]
 
-    def issue_s(self, i):
+    def issue_s(self, i, right_first=False):
         s = i % STAGES
-        for part in range(2):
+        for part in ((1, 0) if right_first else (0, 1)):
             yield wait(lambda part=part: self.st.k_full[s][part].ready(i // STAGES), f"wg{self.wg} k_full {i}")
             assert self.st.slot[s][part] == i
         self.wgmma([("k", s, 0), ("k", s, 1)])
@@ -92,20 +94,28 @@ class WG:
         self.st.k_empty[i % STAGES][part].arrive(4)
         yield None
 
-    def store_p(self, i):
+    def store_p(self, i, role):
         s = i % STAGES
-        assert self.st.slot[s][1] == i, "P into a slab that holds another page"
-        assert not self.st.unretired(("k", s, 1)), "P over the RoPE slab while its S reads it"
-        self.st.p_owner[s] = i
+        if role == 0:  # P_A: page A's RoPE slab
+            assert self.st.slot[s][1] == i, "P into a slab that holds another page"
+            assert not self.st.unretired(("k", s, 1)), "P over the RoPE slab while its S reads it"
+            self.st.p_owner[s] = i
+        else:  # P_B: the P tile
+            assert not self.st.unretired(("ptile",)), "P_B over the P tile while a P V reads it"
+            self.st.p_tile_owner = i
         yield None
 
-    def issue_pv(self, i, own_p):
+    def issue_pv(self, i, own_p, role):
         s = i % STAGES
         assert self.st.slot[s][self.wg] == i
         reads = [("k", s, self.wg)]  # this WG's V half: slab part wg
         if not own_p:
-            assert self.st.p_owner[s] == i, "P V reads another page's P"
-            reads.append(("p", s))
+            if role == 0:
+                assert self.st.p_owner[s] == i, "P V reads another page's P"
+                reads.append(("p", s))
+            else:
+                assert self.st.p_tile_owner == i, "P V reads another page's P"
+                reads.append(("ptile",))
         self.wgmma(reads)
 
     def named(self, name):
@@ -130,35 +140,35 @@ def consumer(st, wg):
                 yield from w.issue_s(ia)
                 w.wait_group(0)
                 yield from w.release_part(ia, 1)  # S_A was WG0's last read of A's right part
-                yield from w.store_p(ia)
+                yield from w.store_p(ia, 0)
                 yield from w.named("kPageAReady")
-                w.issue_pv(ia, own_p=True)
+                w.issue_pv(ia, own_p=True, role=0)
                 if has_b:
                     yield from w.named("kPageBReady")
+                    yield from w.release_part(ib, 1)  # WG0 never reads page B's right part
                     w.wait_group(0)
                     yield from w.release_part(ia, 0)
-                    w.issue_pv(ib, own_p=False)
+                    w.issue_pv(ib, own_p=False, role=1)
                     yield None
                     w.wait_group(0)
                     yield from w.release_part(ib, 0)
-                    yield from w.release_part(ib, 1)
                 else:
                     w.wait_group(0)
                     yield from w.release_part(ia, 0)
             else:
                 if has_b:
-                    yield from w.issue_s(ib)
+                    yield from w.issue_s(ib, right_first=True)
                 w.wait_group(0)
                 yield from w.named("kPageAReady")
-                w.issue_pv(ia, own_p=False)
+                w.issue_pv(ia, own_p=False, role=0)
                 yield None
                 if has_b:
-                    yield from w.store_p(ib)
+                    yield from w.store_p(ib, 1)
                     yield from w.named("kPageBReady")
                 w.wait_group(0)
                 yield from w.release_part(ia, 1)
                 if has_b:
-                    w.issue_pv(ib, own_p=True)
+                    w.issue_pv(ib, own_p=True, role=1)
                     yield None
                     w.wait_group(0)
                     yield from w.release_part(ib, 1)
