@@ -25,9 +25,9 @@ import numpy as np
 # each CTA's producer at its start and end.
 ROLES = ("WG0", "WG1", "producer")
 PAIR_EVENTS = ("top", "S retired", "A ready", "B ready", "PV_A retired", "end", "S left landed",
-               "S right landed", "S waits")
+               "S right landed", "S waits", "stored")
 DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed",
-             "slot wait")
+             "slot wait", "P stored")
 PRODUCER_EVENTS = ("left issued", "right issued")
 # Per chunk, at the ring position of its first page (start, Q loaded) or last page (pages done, epilogue done).
 CHUNK_START, Q_LOADED, PAGES_DONE, EPILOGUE_DONE = 10, 11, 12, 13
@@ -55,10 +55,14 @@ def rows_for(kv_format: str):
     number of pages a period covers (a pair, or fp8_ds_mla's page)."""
     if kv_format == "fp8_ds_mla":
         rows = [(f"WG{w} {name}", w, 0, e) for w in (0, 1) for e, name in enumerate(DS_EVENTS[:7])]
+        rows += [(f"WG{w} P stored", w, 0, 9) for w in (0, 1)]
         rows += [(f"WG{w} {DS_EVENTS[e]} (page +1)", w, 1, e) for w in (0, 1) for e in (8, 7)]
         rows += [(f"producer issued page +{d}", 2, d, 0) for d in (0, 1, 2)]
         return rows, 1
     rows = [(f"WG{w} {name}", w, 0, e) for w in (0, 1) for e, name in enumerate(PAIR_EVENTS[:6])]
+    # Writes for the other WG done (before their fence and barrier), at the page written.
+    rows += [("WG0 P_A stored", 0, 0, 9), ("WG0 V^T_B,L stored", 0, 1, 9), ("WG1 V^T halves stored", 1, 0, 9),
+             ("WG1 P_B stored", 1, 1, 9)]
     # issue_s stamps at the page of the S: WG0's next S_A is page +2, WG1's next S_B page +3.
     rows += [(f"WG{w} next S_{ab} {name}", w, offset, e) for w, ab, offset in ((0, "A", 2), (1, "B", 3))
              for name, e in (("waits", 8), ("left landed", 6), ("right landed", 7))]

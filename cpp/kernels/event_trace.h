@@ -42,6 +42,8 @@ enum PairEvent : int {
   kSLeftLanded,    // issue_s: the slot's left part landed (k_full[0] passed), at that page's ring position
   kSRightLanded,   // issue_s: the right part landed
   kSWaitStart,     // issue_s: before waiting for the left part (landed - this > 0: the S waited for its page)
+  kPairStored,     // a WG's writes for the other (P, V^T) done, before their fence and barrier; at the page
+                   // written: WG0 P_A at ia, V^T_B,L at ib; WG1 its V^T halves at ia, P_B at ib
 };
 // consumer_ds (fp8_ds_mla), per page.
 enum DsEvent : int {
@@ -54,6 +56,7 @@ enum DsEvent : int {
   kDsEnd,          // P V issued
   kDsSlotLanded,   // issue_s_head: the slot landed, at that page's ring position
   kDsSlotWait,     // issue_s_head: before waiting for the slot
+  kDsPStored,      // this WG's P_g stored and O rescaled, before the fence and kPReady
 };
 // Both consumers, per chunk (a run of one sequence's pages): at the ring position of the chunk's first page
 // (start, Q loaded) or last page (pages done, epilogue done).

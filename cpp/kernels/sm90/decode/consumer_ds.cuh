@@ -392,6 +392,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
           for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f[fragment_row_half(v)];
         }
       }
+      stamp(args, wg, it, event_trace::kDsPStored);
       fence_proxy_async_smem();
       named_barrier_sync(NamedBarriers::kPReady, kConsumers);
       stamp(args, wg, it, event_trace::kDsPReady);

@@ -213,6 +213,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
     zero_stale_v(i, page, c);
     store_p(tP, i, page_role);
+    stamp(args, wg, i, event_trace::kPairStored);
     fence_proxy_async_smem();
     // Both WGs pass the ready barrier, so it also orders this WG's own
     // writes (P, zeroed V rows) before its WGMMA reads them.
@@ -316,6 +317,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             // before this pair's S_A did.
             mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
+            stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
           }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
@@ -362,6 +364,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_wait<1>();
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
           }
+          stamp(args, 1, ia, event_trace::kPairStored);
           fence_proxy_async_smem();
         }
         Tensor tSrSb = make_fragment_like(tSrS);  // the softmax copy (see above)
