@@ -88,7 +88,8 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "rotation_sets", "iters", "repeats", "us_median", "us_min", "us_max", "tflops", "gbps",
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
-               "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us")
+               "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us", "splitkv_us",
+               "combine_us")
 
 
 class Timing(NamedTuple):
@@ -157,7 +158,7 @@ def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False,
 NOT_KERNEL_NAME = re.compile(r"Memcpy|Memset|MemoryAlloc|MemoryFree|MemoryResidency|Overhead")
 NOT_KERNEL_ARGS = ("memcpy_details", "memset_details", "memalloc_details", "memfree_details",
                    "memory_residency_details")
-NO_KERNEL_TIMES = dict(span_us=math.nan, gpu_busy_us=math.nan)
+NO_KERNEL_TIMES = dict(span_us=math.nan, gpu_busy_us=math.nan, splitkv_us=math.nan, combine_us=math.nan)
 
 
 def trace_events(trace_dir) -> list:
@@ -177,8 +178,9 @@ def decode_kernel_times(events, iters: int) -> dict:
     """Device µs per call from the trace events of a loop of `iters` decode calls; NaNs without splitkv_mla launches.
 
     span_us: median over calls from a call's splitkv_mla start to the end of its last decode kernel; gpu_busy_us: all
-    kernels of the device processes, the loop's glue included, / iters. A call is one splitkv_mla launch and the
-    first combine launch after it, if any, before the next splitkv_mla.
+    kernels of the device processes, the loop's glue included, / iters; splitkv_us / combine_us: median duration of
+    each kernel alone (combine: over the calls that launched one; NaN if none did). A call is one splitkv_mla launch
+    and the first combine launch after it, if any, before the next splitkv_mla.
     """
     devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and e["args"]["name"].startswith("/device:GPU")}
@@ -193,8 +195,11 @@ def decode_kernel_times(events, iters: int) -> dict:
     if not calls:
         return dict(NO_KERNEL_TIMES)
     # Under programmatic dependent launch, combine starts before splitkv_mla ends: the span counts the overlap once.
+    combines = [call[1]["dur"] for call in calls if len(call) == 2]
     return dict(span_us=float(np.median([max(e["ts"] + e["dur"] for e in call) - call[0]["ts"] for call in calls])),
-                gpu_busy_us=sum(e["dur"] for e in kernels) / iters)
+                gpu_busy_us=sum(e["dur"] for e in kernels) / iters,
+                splitkv_us=float(np.median([call[0]["dur"] for call in calls])),
+                combine_us=float(np.median(combines)) if combines else math.nan)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,7 +416,9 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
                 kernel_times
             progress.case(f"{shape.name} {kv_format} {path}: {timing.median_us:.1f} us "
                           f"({timing.min_us:.1f}-{timing.max_us:.1f})" +
-                          (f"; decode kernels' span {kernel_times['span_us']:.1f} us" if trace_dir else ""))
+                          (f"; decode kernels' span {kernel_times['span_us']:.1f} us (splitkv_mla "
+                           f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f})"
+                           if trace_dir else ""))
         if len(by_path) == 2:
             by_path["kernel"]["speedup_vs_reference"] = by_path["reference"]["us_median"] / \
                 by_path["kernel"]["us_median"]
@@ -506,7 +513,7 @@ def main(argv=None):
     parser.add_argument("--trace", nargs="?", const="", metavar="DIR",
                         help="also trace each kernel case's loop once with the profiler (into DIR, default "
                              "bench_trace under $OUT, else the cwd) and report the decode kernels' device time per "
-                             "call (CSV span_us, gpu_busy_us; table column span)")
+                             "call (CSV span_us, gpu_busy_us, splitkv_us, combine_us; table column span)")
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)

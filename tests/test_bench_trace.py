@@ -47,6 +47,8 @@ def test_calls_with_combine_and_glue():
     times = bench.decode_kernel_times(events, iters=3)
     assert times["span_us"] == 47.0  # median of 46, 52, 47 (not 49: the overlap counts once)
     assert times["gpu_busy_us"] == 50.0  # (45 + 50 + 49 + 3 * 2) / 3: no memcpy, no host events
+    assert times["splitkv_us"] == 42.0  # median of 40, 44, 42
+    assert times["combine_us"] == 6.0  # median of 5, 6, 7
 
 
 def test_call_without_combine():
@@ -56,6 +58,8 @@ def test_call_without_combine():
     times = bench.decode_kernel_times(events, iters=2)
     assert times["span_us"] == 37.5  # median of 30, 45
     assert times["gpu_busy_us"] == 42.0  # (30 + 1 + 40 + 4 + 9) / 2
+    assert times["splitkv_us"] == 35.0  # median of 30, 40
+    assert times["combine_us"] == 4.0  # the one call with a combine (the later combine is no call's)
 
 
 def test_no_splitkv_is_nan():
@@ -63,7 +67,7 @@ def test_no_splitkv_is_nan():
     events = metadata() + [kernel("loop_dot_fusion", 0.0, 300.0), kernel(COMBINE, 301.0, 5.0),
                            kernel(SPLITKV, 0.0, 30.0, pid=HOST)]
     times = bench.decode_kernel_times(events, iters=1)
-    assert set(times) == {"span_us", "gpu_busy_us"}
+    assert set(times) == {"span_us", "gpu_busy_us", "splitkv_us", "combine_us"}
     assert all(math.isnan(v) for v in times.values())
 
 
@@ -79,6 +83,6 @@ def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
     assert bench.trace_events(str(tmp_path / "trace" / "M1_bf16"))  # the profiled run was written
     with open(tmp_path / "b.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
-    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us"))
+    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us", "splitkv_us", "combine_us"))
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shape"))
     assert header.split()[3:8] == ["us", "min", "max", "span", "TFLOPS"]
