@@ -174,10 +174,11 @@ def run_decode(args):
     import jax.numpy as jnp
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax_flash_mla as fm
+    from decode_case import random_decode_case
     from jax_flash_mla import _ffi
     from jax_flash_mla.bench import SHAPES
-    from jax_flash_mla.formats import HEAD_DIM_QK, PAGE_SIZE
 
     ext = _ffi._ext
     if ext is None or not hasattr(ext, "event_trace_arm"):
@@ -189,34 +190,14 @@ def run_decode(args):
     if shape.seqlen_q * shape.heads_q <= 16 and args.format != "bf16":
         raise SystemExit(f"trace_pipeline: {args.shape} runs the few-rows kernel for {args.format}, "
                          "which has no stamps")
-    b, pages = args.batch, -(-args.seqlen // PAGE_SIZE)
-    kq, kk, kp = jax.random.split(jax.random.key(args.seed), 3)
-    q = jax.random.normal(kq, (b, shape.seqlen_q, shape.heads_q, HEAD_DIM_QK), jnp.float32)
-    latent = jax.random.normal(kk, (b * pages, PAGE_SIZE, 1, HEAD_DIM_QK), jnp.bfloat16)
-    table = jax.random.permutation(kp, b * pages).reshape(b, pages).astype(jnp.int32)
-    lengths = jnp.full((b,), args.seqlen, jnp.int32)
-    kwargs = {}
-    if args.format == "fp8_per_tensor":
-        descale_q = jnp.abs(q).max() / 448
-        descale_k = jnp.abs(latent.astype(jnp.float32)).max() / 448
-        q = (q / descale_q).astype(jnp.float8_e4m3fn)
-        cache = fm.quantize_kv_cache(latent, args.format, descale_k)
-        kwargs = dict(descale_q=descale_q.reshape(()), descale_k=descale_k.reshape(()))
-    else:
-        q = q.astype(jnp.bfloat16)
-        cache = fm.quantize_kv_cache(latent, args.format)
-    del latent
-    meta = fm.get_mla_metadata(lengths, shape.seqlen_q * shape.heads_q, 1)
-    decode = jax.jit(lambda q, cache, table, lengths, meta, kw: fm.flash_mla_with_kvcache(
-        q, cache, table, lengths, 512, meta, causal=shape.causal, kv_format=args.format, implementation="kernel",
-        **kw))
+    decode, decode_args = random_decode_case(args.format, shape, args.batch, args.seqlen, seed=args.seed)
     # Armed before the first call: a launch captured into a CUDA graph keeps the buffer pointer it saw.
     ext.event_trace_arm()
-    jax.block_until_ready(decode(q, cache, table, lengths, meta, kwargs))
+    jax.block_until_ready(decode(*decode_args))
     ext.event_trace_arm()  # zeroed: the second, warm call is the one read
-    out, lse = jax.block_until_ready(decode(q, cache, table, lengths, meta, kwargs))
+    out, lse = jax.block_until_ready(decode(*decode_args))
     checksum = float(jnp.abs(out.astype(jnp.float32)).sum())
-    print(f"trace_pipeline {args.format} {args.shape} b={b} s_k={args.seqlen}: sum|out|={checksum:.6e} "
+    print(f"trace_pipeline {args.format} {args.shape} b={args.batch} s_k={args.seqlen}: sum|out|={checksum:.6e} "
           f"finite={bool(jnp.isfinite(lse).all())}")
     return ext.event_trace_read(), tuple(ext.EVENT_TRACE_SHAPE)
 
