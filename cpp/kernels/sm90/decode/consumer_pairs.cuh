@@ -295,18 +295,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (!kEarlyS) issue_s(ia, false);
         if constexpr (Tr::kVNeedsTranspose) {
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
-          if (has_b) {
-            // V^T_B,L here too, under S_A rather than under P_A V_A (whose
-            // shared-memory reads it would compete with). Its last reader,
-            // the last pair's P_B V_B,L, was queued before S_A: retire it.
-            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
-            warpgroup_wait<1>();
-            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
-            stamp(args, 0, ib, event_trace::kPairStored);
-          }
         }
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
-        // (publish_page's fence covers both transposes.)
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         stamp(args, 0, ia, event_trace::kPairSRetired);
@@ -322,6 +312,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         accumulate = true;
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
+          if constexpr (Tr::kVNeedsTranspose) {
+            // V^T_B's last reader (the last pair's P_B V_B,L) retired
+            // before this pair's S_A did.
+            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
+            stamp(args, 0, ib, event_trace::kPairStored);
+            fence_proxy_async_smem();
+          }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
