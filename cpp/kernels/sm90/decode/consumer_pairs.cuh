@@ -305,7 +305,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         mask(tSrS, page);
         float page_max[2];
         row_max(tSrS, page_max);
-        softmax.template update<Tr::kLazyRescaleLog2, Tr::kPolyExp2Every>(tSrS, page_max, scale_log2, factor);
+        softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
         publish_max(softmax, plan.ref_max[0]);
         publish_page(tSrS, ia, page, 0, c, factor, accumulate);
         stamp(args, 0, ia, event_trace::kPairAReady);
@@ -389,7 +389,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         issue_pv_smem(ia, 0, accumulate);
         accumulate = true;
         if (has_b) {
-          softmax.template update<Tr::kLazyRescaleLog2, Tr::kPolyExp2Every>(tSrSb, page_max, scale_log2, factor);
+          softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
         }
         // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and

@@ -42,25 +42,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe, for a share of a softmax's exponentials while the SFU
-// works on the rest (the SFU takes 8 cycles a warp instruction; on sm_90
-// ex2.approx.f16x2 is two SFU operations, so halving through fp16 saves
-// nothing). x = n + f with n = rint(x) (the 1.5 * 2^23 shift), 2^f from a
-// degree-3 polynomial fitted to the relative error on [-1/2, 1/2] (at most
-// 7.5e-5 in fp32 Horner, far under e4m3's steps; for probabilities that go to
-// e4m3), 2^n built in the exponent field. x below -127 gives 0 (as
-// ex2.approx.ftz's flush does below -126), -inf too; NaN stays NaN (max.NaN).
-__device__ __forceinline__ float exp2_poly3(float x) {
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // -127
-  const float shifted = x + 12582912.f;               // 1.5 * 2^23: n in the low mantissa bits
-  const float f = x - (shifted - 12582912.f);
-  float p = fmaf(0.05517132207751274f, f, 0.24261054396629333f);
-  p = fmaf(p, f, 0.6932609677314758f);
-  p = fmaf(p, f, 0.9999281167984009f);
-  // n << 23 wraps the shift's bits away; + 127 << 23 is 2^n's exponent (n = -127: 0.0).
-  return p * __int_as_float((__float_as_int(shifted) << 23) + 0x3F800000);
-}
-
 // 1 / x on the SFU alone (rcp.approx.ftz): exact for the powers of two it is
 // used on (fp8_ds_mla's group normalizers), without __fdividef's guard for
 // divisors near the top of the range.
@@ -135,9 +116,7 @@ struct OnlineSoftmaxState {
   // (move_reference; with the lazy rule the O / row-sum rescale, 128
   // multiplies per thread, becomes rare). Each format picks the headroom its
   // P type has (Traits::kLazyRescaleLog2).
-  // kPolyExp2Every > 0: every kPolyExp2Every-th exponential on the FMA pipe
-  // (exp2_poly3), the others on the SFU (P in e4m3).
-  template <int kLazyRescaleLog2 = 0, int kPolyExp2Every = 0, class Frag>
+  template <int kLazyRescaleLog2 = 0, class Frag>
   __device__ __forceinline__ void update(Frag& s, const float (&page_max)[2], float scale_log2,
                                          float (&o_scale)[2]) {
     float base[2];
@@ -147,10 +126,7 @@ struct OnlineSoftmaxState {
       sum[h] *= o_scale[h];
     }
     CUTE_UNROLL
-    for (int v = 0; v < cute::size(s); ++v) {
-      const float x = fmaf(s(v), scale_log2, -base[fragment_row_half(v)]);
-      s(v) = kPolyExp2Every > 0 && v % kPolyExp2Every == kPolyExp2Every - 1 ? exp2_poly3(x) : exp2_ftz(x);
-    }
+    for (int v = 0; v < cute::size(s); ++v) s(v) = exp2_ftz(fmaf(s(v), scale_log2, -base[fragment_row_half(v)]));
     auto add_op = [](float a, float b) { return a + b; };
     sum[0] += row_half_tree(s, 0, add_op);
     sum[1] += row_half_tree(s, 1, add_op);

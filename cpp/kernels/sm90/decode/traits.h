@@ -147,7 +147,6 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr bool kOwnPInRegisters = true;
   // Lazy rescale (softmax.h): p <= 2^8, far inside bf16.
   static constexpr int kLazyRescaleLog2 = 8;
-  static constexpr int kPolyExp2Every = 0;  // P stays bf16: every exponential on the SFU
   // P_A lives in page A's K slot, in the RoPE slab (slab 8, channels 512-575:
   // read only by the page's S, and laid out as a 64 x 64 K-major SW128 tile,
   // as P is), and P_B in a tile of its own. WG1 then publishes P_B without
@@ -247,10 +246,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr bool kOwnPInRegisters = false;
   // Lazy rescale (softmax.h): P = e4m3(p) unscaled, p <= 2^8 < 448.
   static constexpr int kLazyRescaleLog2 = 8;
-  // The pair's two softmaxes run one after the other and set its pace (event
-  // trace, session 15), each ~256 of its ~850 cycles in SFU exponentials: one
-  // in four goes to the FMA pipe instead (exp2_poly3).
-  static constexpr int kPolyExp2Every = 4;
   // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
