@@ -22,14 +22,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e = (x);                                                                  \
-    if (e != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "cuda_check.h"
 
 enum Op : int { kNothing, kStoreFenceProxyAsync, kFenceProxyAsyncOnly, kMembarCta, kStoreOnly, kNamedBarrier,
                 kStoreFenceNoWgmma, kNumOps };
