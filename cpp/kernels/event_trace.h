@@ -73,11 +73,10 @@ enum ProducerEvent : int {
   kRightIssued,  // bf16 / fp8_per_tensor: the right part's
 };
 
-#ifdef __CUDACC__
+#if defined(JAX_FLASH_MLA_EVENT_TRACE) && defined(__CUDACC__)
 // One thread per warpgroup stamps (its first thread), as a predicated store inside one asm block: a branch around
 // it, next to WGMMAs in flight, would make ptxas serialize them (C7514).
 __device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int event) {
-#ifdef JAX_FLASH_MLA_EVENT_TRACE
   const uint32_t on = uint32_t(buf != nullptr) & uint32_t(threadIdx.x % 128 == 0) & uint32_t(blockIdx.y == 0) &
                       uint32_t(blockIdx.z == 0) & uint32_t(blockIdx.x < kCtas) & uint32_t(uint32_t(page) < kPages);
   const std::size_t idx = on ? ((std::size_t(blockIdx.x) * kRoles + role) * kPages + page) * kEvents + event : 0;
@@ -86,20 +85,17 @@ __device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int eve
       " @p st.global.u64 [%1], t;\n}\n" ::"r"(on),
       "l"(buf + idx)
       : "memory");
-#endif
 }
 
 // (clock64, globaltimer) into clock words `which` * 2 and + 1 of this CTA (the producer: 0 at start, 1 at end).
 __device__ __forceinline__ void stamp_clocks(uint64_t* buf, int which) {
-#ifdef JAX_FLASH_MLA_EVENT_TRACE
   if (buf == nullptr || blockIdx.x >= kCtas || blockIdx.y != 0 || blockIdx.z != 0) return;
   uint64_t clock, ns;
   asm volatile("mov.u64 %0, %%clock64;\n mov.u64 %1, %%globaltimer;\n" : "=l"(clock), "=l"(ns));
   buf[kStampWords + blockIdx.x * kClockWords + 2 * which] = clock;
   buf[kStampWords + blockIdx.x * kClockWords + 2 * which + 1] = ns;
-#endif
 }
-#endif  // __CUDACC__
+#endif
 
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
 // Host side. The buffer lives for the process; the launcher passes it to every decode launch once armed (null

@@ -145,15 +145,19 @@ struct SplitKvMlaKernel {
     event_trace::stamp(args.event_trace, role, page, event);
 #endif
   }
+  // (clock64, globaltimer) at the producer's start (0) and end (1), which convert the stamps' cycles to ns.
+  __device__ static void stamp_clocks(const SplitKvArgs& args, int which) {
+#ifdef JAX_FLASH_MLA_EVENT_TRACE
+    event_trace::stamp_clocks(args.event_trace, which);
+#endif
+  }
 
   // ---------------------------------------------------------------- producer
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k) {
     const DecodeParams& p = args.params;
     int it = 0;  // pages issued by this CTA, across chunks (ring position)
-#ifdef JAX_FLASH_MLA_EVENT_TRACE
-    event_trace::stamp_clocks(args.event_trace, 0);
-#endif
+    stamp_clocks(args, 0);
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
@@ -179,9 +183,7 @@ struct SplitKvMlaKernel {
         }
       }
     });
-#ifdef JAX_FLASH_MLA_EVENT_TRACE
-    event_trace::stamp_clocks(args.event_trace, 1);
-#endif
+    stamp_clocks(args, 1);
   }
 
   // ------------------------------------------------------- Q tile of a chunk
