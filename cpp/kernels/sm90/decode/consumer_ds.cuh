@@ -19,15 +19,17 @@ namespace jax_flash_mla::sm90 {
 // = 64 rows x 4 groups: thread (row, g) = (ctid / 4, ctid % 4) loads its 256
 // NoPE bytes and 16 RoPE channels; the quad of a row reduces amax. Rows past
 // q_rows_per_head_k are zeros (scale 1); their results are never stored.
+// Also the chunk's split words (load_chunk_split), in flight meanwhile.
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams& p, Plan& plan, int batch,
-                                                             int head_k, int m_block, int ctid) {
+                                                             bool cta_first, int head_k, int m_block, int ctid) {
   using namespace cute;
   static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
   static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
   // Opaque to the compiler: the addresses below are recomputed per chunk
   // rather than hoisted out of the chunk loop into registers (which spilled).
   asm volatile("" : "+r"(ctid));
+  const int2 split = load_chunk_split(p, batch, cta_first, ctid);
   Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
   const int row = ctid / Tr::kNumGroups;
@@ -95,6 +97,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
     *reinterpret_cast<uint4*>(raw_pointer_cast(&sQR(row, 16 * g + 8 * i))) = make_uint4(y[0], y[1], y[2], y[3]);
   }
   if (g == 0) plan.q_scale[row] = scale;
+  store_chunk_split(plan, split, ctid);
   fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
   named_barrier_sync(NamedBarriers::kQReady, kConsumers);
 }
@@ -233,14 +236,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     warpgroup_commit_batch();
   };
 
-  // begin_split_idx is re-read from global memory at the epilogue: held in a
-  // register for the whole CTA it was the last value ptxas spilled.
-  SchedMeta walk = meta;
-  walk.begin_split_idx = 0;
   int it = 0;
-  for_each_chunk(p, walk, [&](const Chunk& c) {
+  for_each_chunk(p, meta, [&](const Chunk& c) {
     stamp(args, wg, it, event_trace::kChunkStart);
-    load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
+    load_q_ds(p, plan, c.batch, c.batch == meta.begin_batch, head_k, m_block, ctid);
     stamp(args, wg, it, event_trace::kQLoaded);
     if (c.first_page() < c.end_page()) issue_s_head(it);
 
@@ -426,9 +425,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f;
       }
     }
-    Chunk ce = c;
-    ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
-    epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   });
 }

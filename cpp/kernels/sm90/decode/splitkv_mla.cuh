@@ -91,7 +91,6 @@ struct Chunk {
   int seqlen;       // cache_seqlens[batch]
   int begin_token;  // multiple of the page size
   int end_token;    // exclusive
-  int split_idx;    // index among the sequence's splits
 
   // Pages the chunk touches: [first_page, end_page), never past its last one.
   __device__ __forceinline__ int first_page() const { return begin_token / config::kPageSize; }
@@ -108,7 +107,6 @@ __device__ __forceinline__ Chunk make_chunk(const DecodeParams& p, const SchedMe
   c.seqlen = min(max(p.cache_seqlens[b], 0), capacity);
   c.end_token = min(b == meta.end_batch ? meta.end_token : c.seqlen, c.seqlen);
   c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_token);
-  c.split_idx = b == meta.begin_batch ? meta.begin_split_idx : 0;
   return c;
 }
 
@@ -186,12 +184,35 @@ struct SplitKvMlaKernel {
     stamp_clocks(args, 1);
   }
 
+  // ------------------------------------ where a chunk's results are written
+  // The chunk's row of partials (num_splits[batch] + its split index) and
+  // whether it is its sequence's only split. One thread reads these words
+  // from global memory when the chunk's Q load starts and stores them into
+  // shared memory (store_chunk_split) before kQReady, so the Q load hides
+  // their latency; the epilogue reads them back before its first barrier.
+  // (Read in the epilogue itself, they were global reads under the page
+  // stream's load, on every chunk hand-over.) cta_first: the CTA's first
+  // chunk, whose split index the scheduler wrote; later chunks start at 0.
+  __device__ static int2 load_chunk_split(const DecodeParams& p, int batch, bool cta_first, int ctid) {
+    int2 split = make_int2(0, 0);
+    if (ctid == 0) {
+      const int begin = p.num_splits[batch];
+      split.y = p.num_splits[batch + 1] - begin == 1;
+      split.x = begin + (cta_first ? p.sched_meta[blockIdx.x].begin_split_idx : 0);
+    }
+    return split;
+  }
+  __device__ static void store_chunk_split(Plan& plan, int2 split, int ctid) {
+    if (ctid == 0) plan.chunk_split = split;
+  }
+
   // ------------------------------------------------------- Q tile of a chunk
   // Row r of the tile is query token r / heads_per_head_k of head
   // hk * heads_per_head_k + r % heads_per_head_k (params.h); rows past
   // q_rows_per_head_k are zero-filled (their results are never stored).
-  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
-                                int ctid) {
+  // Also the chunk's split words (load_chunk_split).
+  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, bool cta_first, int head_k,
+                                int m_block, int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
@@ -211,6 +232,7 @@ struct SplitKvMlaKernel {
                    "l"(src), "r"(valid ? 16 : 0)
                    : "memory");
     }
+    store_chunk_split(plan, load_chunk_split(p, batch, cta_first, ctid), ctid);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
@@ -270,7 +292,8 @@ struct SplitKvMlaKernel {
                                   int wg, int tid);
   // fp8_ds_mla (consumer_ds.cuh): the quantizing Q prologue, a token's scale
   // address in a slot, and the per-page split consumer.
-  __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid);
+  __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, bool cta_first, int head_k,
+                                   int m_block, int ctid);
   __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t);
   // The four scales of token t (zeros for t >= valid), and the page's largest
   // scale per group over its first `valid` tokens (every warp reduces all 64).
