@@ -41,16 +41,55 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
                        (head_k * p.heads_per_head_k + r % p.heads_per_head_k) * p.q_head_stride
                  : 0);
   const uint4* src = reinterpret_cast<const uint4*>(q_row + g * Tr::kGroupChannels);
+  const uint4* rope_src = reinterpret_cast<const uint4*>(q_row + Tr::kHeadDimNope + 16 * g);
   constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
-  // Two passes over the 256 bytes (the second hits L1), so only a few
-  // registers are live next to O, which stays live across chunks.
+  // Two passes over the 256 bytes (amax, then the quantization), so only a
+  // few registers are live next to O, which stays live across chunks.
+  // 64-row kernel: the passes read a copy in shared memory, made by cp.async
+  // with all 18 pieces of the thread in flight at once: read twice from
+  // global memory, the 72 KB tile overflowed L1 (what is left next to 206 KB
+  // of shared memory), so each pass and the RoPE load paid an L2 round trip
+  // under the page stream's load (7.3 µs a chunk, session 15's event trace).
+  // The copy lives in the V^T and P tiles, idle between chunks (the last
+  // chunk's WGMMAs retired before its epilogue); 304 bytes a thread (256 NoPE,
+  // 32 RoPE, 16 of padding), so eight threads' 16-byte reads hit distinct banks.
+  // The few-rows kernel (<= 16 valid rows, which fit L1) reads global memory.
+  constexpr bool kStaged = !kNarrow;
+  constexpr uint32_t kStageStride = 304;
+  uint32_t stage = 0;
+  if constexpr (kStaged) {
+    static_assert(offsetof(Plan, p) == offsetof(Plan, vt) + sizeof(Plan::vt) &&
+                      sizeof(Plan::vt) + sizeof(Plan::p) >= kConsumers * kStageStride,
+                  "the Q staging copy fits the V^T and P tiles");
+    stage = smem_addr(plan.vt) + uint32_t(ctid) * kStageStride;
+    auto copy = [&](uint32_t dst, const uint4* from) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from), "r"(valid ? 16 : 0)
+                   : "memory");
+    };
+    CUTE_UNROLL
+    for (int i = 0; i < kPieces; ++i) copy(stage + 16 * i, src + i);
+    CUTE_UNROLL
+    for (int i = 0; i < 2; ++i) copy(stage + 16 * (kPieces + i), rope_src + i);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread reads back only its own pieces
+  }
+  auto piece = [&](int i) {  // NoPE pieces 0..15, then RoPE pieces 16, 17 (zeros for an invalid row)
+    if constexpr (kStaged) {
+      uint4 x;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                   : "r"(stage + 16 * i)
+                   : "memory");
+      return x;
+    } else {
+      return valid ? __ldg(i < kPieces ? src + i : rope_src + (i - kPieces)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
   auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
   auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
-  auto load = [&](int i) { return valid ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u); };
   float amax = 0.f;
   CUTE_UNROLL
   for (int i = 0; i < kPieces; ++i) {
-    const uint4 x = load(i);
+    const uint4 x = piece(i);
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
     CUTE_UNROLL
     for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
@@ -76,17 +115,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   const int sw = (row >> 1) & 3;
   CUTE_UNROLL
   for (int i = 0; i < kPieces; i += 2) {  // 16 channels -> 16 e4m3 bytes
-    const uint4 x0 = load(i), x1 = load(i + 1);
+    const uint4 x0 = piece(i), x1 = piece(i + 1);
     const uint32_t addr = row_base + uint32_t((i / 8) * Tr::kQSlabBytes + ((((i / 2) % 4) ^ sw) << 4));
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(cvt4(x0.x, x0.y)),
                  "r"(cvt4(x0.z, x0.w)), "r"(cvt4(x1.x, x1.y)), "r"(cvt4(x1.z, x1.w))
                  : "memory");
   }
   // RoPE channels 16 g .. 16 g + 15 of the row, times 1 / scale (exact in bf16).
-  const uint4* rope_src = reinterpret_cast<const uint4*>(q_row + Tr::kHeadDimNope + 16 * g);
   CUTE_UNROLL
   for (int i = 0; i < 2; ++i) {
-    const uint4 x = valid ? __ldg(rope_src + i) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 x = piece(kPieces + i);
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
     uint32_t y[4];
     CUTE_UNROLL
