@@ -66,7 +66,8 @@ enum ChunkEvent : int {
   kPagesDone,        // the chunk's last WGMMA retired
   kEpilogueDone,     // O and lse (or the split partials) written
 };
-static_assert(kPairStored < kChunkStart && kDsPStored < kChunkStart && kEpilogueDone < kEvents, "event ids");
+static_assert(int(kPairStored) < int(kChunkStart) && int(kDsPStored) < int(kChunkStart) && int(kEpilogueDone) < kEvents,
+              "event ids");
 // producer, per page.
 enum ProducerEvent : int {
   kLeftIssued,   // the (left part's) slot was free and its TMA issued

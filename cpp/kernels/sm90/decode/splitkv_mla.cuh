@@ -151,8 +151,8 @@ struct SplitKvMlaKernel {
   }
 
   // ---------------------------------------------------------------- producer
-  __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
-                                  int head_k) {
+  __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
+                                  int m_block) {
     const DecodeParams& p = args.params;
     int it = 0;  // pages issued by this CTA, across chunks (ring position)
     stamp_clocks(args, 0);
@@ -180,8 +180,33 @@ struct SplitKvMlaKernel {
           }
         }
       }
+      if (c.batch < meta.end_batch) prefetch_q_l2(p, c.batch + 1, head_k, m_block);
     });
     stamp_clocks(args, 1);
+  }
+
+  // The next chunk's Q rows into L2, one bulk prefetch (TMA engine) a row,
+  // issued once the chunk's last page is: the consumers load that Q after the
+  // chunk's last pages and its epilogue, some 5-10 µs later, and find it in L2
+  // instead of waiting for DRAM under the page stream (session 16's event
+  // trace: 4.4 µs for bf16's Q at a hand-over, 2.6 for fp8_per_tensor's).
+  // q rows are 576 elements of a dense array: 16-byte aligned, as the bulk
+  // copy requires.
+  __device__ static void prefetch_q_l2(const DecodeParams& p, int batch, int head_k, int m_block) {
+    constexpr int kQElemBytes = Tr::kScaleGroups ? 2 : int(sizeof(Element));  // fp8_ds_mla's q is bf16
+    constexpr uint32_t kRowBytes = decode_cfg::kHeadDimQK * kQElemBytes;
+    static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+    const char* q = static_cast<const char*>(p.q) + batch * p.q_batch_stride * kQElemBytes;
+    const int r0 = m_block * kBlockM;
+    const int r_end = min(r0 + kBlockM, p.q_rows_per_head_k);
+    int s = r0 / p.heads_per_head_k;
+    int h = r0 % p.heads_per_head_k;
+    for (int r = r0; r < r_end; ++r) {
+      const int64_t row = s * p.q_seq_stride + (head_k * p.heads_per_head_k + h) * p.q_head_stride;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(q + row * kQElemBytes), "r"(kRowBytes)
+                   : "memory");
+      if (++h == p.heads_per_head_k) h = 0, ++s;
+    }
   }
 
   // ------------------------------------ where a chunk's results are written
@@ -382,7 +407,7 @@ struct SplitKvMlaKernel {
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
-      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
+      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
     }
   }
 };
