@@ -19,17 +19,29 @@ namespace jax_flash_mla::sm90 {
 // = 64 rows x 4 groups: thread (row, g) = (ctid / 4, ctid % 4) loads its 256
 // NoPE bytes and 16 RoPE channels; the quad of a row reduces amax. Rows past
 // q_rows_per_head_k are zeros (scale 1); their results are never stored.
-// Also the chunk's split words (load_chunk_split), in flight meanwhile.
+//
+// Two passes over the thread's 256 bytes (amax, then the quantization), so
+// only a few registers are live next to O, which stays live across chunks.
+// The 64-row kernel runs them over a copy in shared memory that cp.async
+// makes with all 18 pieces of the thread (16 NoPE, 2 RoPE) in flight at once:
+// read twice from global memory, the 72 KB tile overflowed L1 (what is left
+// next to 206 KB of shared memory), so each pass and the RoPE load paid an L2
+// round trip under the page stream's load (Q load 7.4 µs a chunk hand-over,
+// 12 µs at the kernel's start; 4.2 and 9.3 µs with the copy: session 16's
+// event trace). The copy lives in the V^T and P tiles, idle between chunks
+// (the last chunk's WGMMAs retired before its epilogue's kSumReady), 304
+// bytes a thread (288 and 16 of padding, so that eight threads' 16-byte reads
+// hit distinct banks). The few-rows kernel (<= 16 valid rows: they fit L1)
+// reads global memory twice.
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams& p, Plan& plan, int batch,
-                                                             bool cta_first, int head_k, int m_block, int ctid) {
+                                                             int head_k, int m_block, int ctid) {
   using namespace cute;
   static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
   static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
   // Opaque to the compiler: the addresses below are recomputed per chunk
   // rather than hoisted out of the chunk loop into registers (which spilled).
   asm volatile("" : "+r"(ctid));
-  const int2 split = load_chunk_split(p, batch, cta_first, ctid);
   Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
   const int row = ctid / Tr::kNumGroups;
@@ -43,17 +55,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   const uint4* src = reinterpret_cast<const uint4*>(q_row + g * Tr::kGroupChannels);
   const uint4* rope_src = reinterpret_cast<const uint4*>(q_row + Tr::kHeadDimNope + 16 * g);
   constexpr int kPieces = Tr::kGroupChannels / 8;  // 16 x 8 bf16
-  // Two passes over the 256 bytes (amax, then the quantization), so only a
-  // few registers are live next to O, which stays live across chunks.
-  // 64-row kernel: the passes read a copy in shared memory, made by cp.async
-  // with all 18 pieces of the thread in flight at once: read twice from
-  // global memory, the 72 KB tile overflowed L1 (what is left next to 206 KB
-  // of shared memory), so each pass and the RoPE load paid an L2 round trip
-  // under the page stream's load (7.3 µs a chunk, session 15's event trace).
-  // The copy lives in the V^T and P tiles, idle between chunks (the last
-  // chunk's WGMMAs retired before its epilogue); 304 bytes a thread (256 NoPE,
-  // 32 RoPE, 16 of padding), so eight threads' 16-byte reads hit distinct banks.
-  // The few-rows kernel (<= 16 valid rows, which fit L1) reads global memory.
   constexpr bool kStaged = !kNarrow;
   constexpr uint32_t kStageStride = 304;
   uint32_t stage = 0;
@@ -62,7 +63,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
                       sizeof(Plan::vt) + sizeof(Plan::p) >= kConsumers * kStageStride,
                   "the Q staging copy fits the V^T and P tiles");
     stage = smem_addr(plan.vt) + uint32_t(ctid) * kStageStride;
-    auto copy = [&](uint32_t dst, const uint4* from) {
+    auto copy = [&](uint32_t dst, const uint4* from) {  // src-size 0: 16 zero bytes
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from), "r"(valid ? 16 : 0)
                    : "memory");
     };
@@ -70,7 +71,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
     for (int i = 0; i < kPieces; ++i) copy(stage + 16 * i, src + i);
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) copy(stage + 16 * (kPieces + i), rope_src + i);
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread reads back only its own pieces
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // the thread reads back only its own pieces
   }
   auto piece = [&](int i) {  // NoPE pieces 0..15, then RoPE pieces 16, 17 (zeros for an invalid row)
     if constexpr (kStaged) {
@@ -135,7 +136,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
     *reinterpret_cast<uint4*>(raw_pointer_cast(&sQR(row, 16 * g + 8 * i))) = make_uint4(y[0], y[1], y[2], y[3]);
   }
   if (g == 0) plan.q_scale[row] = scale;
-  store_chunk_split(plan, split, ctid);
   fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
   named_barrier_sync(NamedBarriers::kQReady, kConsumers);
 }
@@ -274,10 +274,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     warpgroup_commit_batch();
   };
 
+  // begin_split_idx is re-read from global memory at the epilogue: held in a
+  // register for the whole CTA it was the last value ptxas spilled.
+  SchedMeta walk = meta;
+  walk.begin_split_idx = 0;
   int it = 0;
-  for_each_chunk(p, meta, [&](const Chunk& c) {
+  for_each_chunk(p, walk, [&](const Chunk& c) {
     stamp(args, wg, it, event_trace::kChunkStart);
-    load_q_ds(p, plan, c.batch, c.batch == meta.begin_batch, head_k, m_block, ctid);
+    load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
     stamp(args, wg, it, event_trace::kQLoaded);
     if (c.first_page() < c.end_page()) issue_s_head(it);
 
@@ -463,7 +467,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f;
       }
     }
-    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
+    Chunk ce = c;
+    ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+    epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   });
 }

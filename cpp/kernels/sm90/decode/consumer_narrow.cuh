@@ -107,6 +107,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   const typename Tr::SmemLayoutPt layout_pt{};
   const uint32_t zero_row = smem_addr(plan.zeros);
 
+  // begin_split_idx is re-read from global memory at the epilogue (as in
+  // consumer_ds: no register held for the whole CTA).
+  SchedMeta walk = meta;
+  walk.begin_split_idx = 0;
   int it = 0;  // ring position of the chunk's first page (both WGs count every page)
   // Phase bit per stage of this WG's own k_full set: the WG waits on every
   // fill of that set in order, so a bit per stage is its whole state. (With
@@ -115,12 +119,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   // landed yet: with 3 stages every second use of a slot was such a wait.)
   uint32_t full_phase_bits = 0;
   int chunk_parity = 0;  // which copy of the exchange's sums and maxima the chunk uses
-  for_each_chunk(p, meta, [&](const Chunk& c) {
-    const bool cta_first = c.batch == meta.begin_batch;
+  for_each_chunk(p, walk, [&](const Chunk& c) {
     if constexpr (kGroups) {
-      load_q_ds(p, plan, c.batch, cta_first, head_k, 0, ctid);
+      load_q_ds(p, plan, c.batch, head_k, 0, ctid);
     } else {
-      load_q(p, plan, c.batch, cta_first, head_k, 0, ctid);
+      load_q(p, plan, c.batch, head_k, 0, ctid);
     }
     float m_ref[4], l_part[4];
     int limit[4];
@@ -371,7 +374,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
       CUTE_UNROLL
       for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= norm[v / 16] * (1.f / Tr::kPNormalizer);
     }
-    epilogue_narrow(p, plan, c, chunk_parity, head_k, wg, tid, num_pages > wg, m_ref, l_part, tOrO, logit_scale,
+    Chunk ce = c;
+    ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+    epilogue_narrow(p, plan, ce, chunk_parity, head_k, wg, tid, num_pages > wg, m_ref, l_part, tOrO, logit_scale,
                     scale_log2, out_scale);
     chunk_parity ^= 1;
   });
@@ -413,12 +418,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
     CUTE_UNROLL
     for (int v = 0; v < 8; ++v) x.o[wg][8 * j + v][tid] = has_pages ? given_value(j, v) : 0.f;
   }
-  // Read before kSumReady: the next chunk's load_q rewrites it once every consumer has passed that barrier.
-  const int2 split = plan.chunk_split;
   named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
 
   float inv[4], lse[4], a_own[4], a_other[4];
-  const bool direct = split.y != 0;
+  const int split_begin = p.num_splits[c.batch];
+  const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
   CUTE_UNROLL
   for (int k4 = 0; k4 < 4; ++k4) {
     const int col = col_of(k4);
@@ -439,7 +443,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
     lse[k4] = l > 0.f ? m * logit_scale + logf(l) : (direct ? INFINITY : -INFINITY);
   }
   const int64_t accum_row0 =
-      (int64_t(split.x) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
+      (int64_t(split_begin + c.split_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
   CUTE_UNROLL
   for (int k4 = 0; k4 < 4; ++k4) {
     const int r = col_of(k4);

@@ -260,7 +260,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
-    load_q(p, plan, c.batch, b == meta.begin_batch, head_k, m_block, ctid);
+    load_q(p, plan, c.batch, head_k, m_block, ctid);
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];

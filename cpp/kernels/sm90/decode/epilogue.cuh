@@ -6,7 +6,7 @@
 namespace jax_flash_mla::sm90 {
 
 // A chunk that is its sequence's only split writes out (bf16) and lse
-// directly; otherwise o_accum / lse_accum at its split row (load_chunk_split).
+// directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
 // `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
 // multiplies the output, in partials alike.
 template <config::KvFormat kFormat, bool kNarrow>
@@ -23,12 +23,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
     plan.row_sum[wg][rows[0]] = sum[0];
     plan.row_sum[wg][rows[1]] = sum[1];
   }
-  // Read before kSumReady: the next chunk's load_q rewrites it once every consumer has passed that barrier.
-  const int2 split = plan.chunk_split;
   named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
 
-  const bool direct = split.y != 0;
-  const int64_t accum_row0 = (int64_t(split.x) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
+  const int split_begin = p.num_splits[c.batch];
+  const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
+  const int64_t accum_row0 =
+      (int64_t(split_begin + c.split_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
 
   float inv[2], lse[2];
   bool valid[2], seen[2];

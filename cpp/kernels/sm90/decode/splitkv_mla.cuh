@@ -91,6 +91,7 @@ struct Chunk {
   int seqlen;       // cache_seqlens[batch]
   int begin_token;  // multiple of the page size
   int end_token;    // exclusive
+  int split_idx;    // index among the sequence's splits
 
   // Pages the chunk touches: [first_page, end_page), never past its last one.
   __device__ __forceinline__ int first_page() const { return begin_token / config::kPageSize; }
@@ -107,6 +108,7 @@ __device__ __forceinline__ Chunk make_chunk(const DecodeParams& p, const SchedMe
   c.seqlen = min(max(p.cache_seqlens[b], 0), capacity);
   c.end_token = min(b == meta.end_batch ? meta.end_token : c.seqlen, c.seqlen);
   c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_token);
+  c.split_idx = b == meta.begin_batch ? meta.begin_split_idx : 0;
   return c;
 }
 
@@ -151,8 +153,8 @@ struct SplitKvMlaKernel {
   }
 
   // ---------------------------------------------------------------- producer
-  __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
-                                  int m_block) {
+  __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
+                                  int head_k) {
     const DecodeParams& p = args.params;
     int it = 0;  // pages issued by this CTA, across chunks (ring position)
     stamp_clocks(args, 0);
@@ -180,64 +182,16 @@ struct SplitKvMlaKernel {
           }
         }
       }
-      if (c.batch < meta.end_batch) prefetch_q_l2(p, c.batch + 1, head_k, m_block);
     });
     stamp_clocks(args, 1);
-  }
-
-  // The next chunk's Q rows into L2, one bulk prefetch (TMA engine) a row,
-  // issued once the chunk's last page is: the consumers load that Q after the
-  // chunk's last pages and its epilogue, some 5-10 µs later, and find it in L2
-  // instead of waiting for DRAM under the page stream (session 16's event
-  // trace: 4.4 µs for bf16's Q at a hand-over, 2.6 for fp8_per_tensor's).
-  // q rows are 576 elements of a dense array: 16-byte aligned, as the bulk
-  // copy requires.
-  __device__ static void prefetch_q_l2(const DecodeParams& p, int batch, int head_k, int m_block) {
-    constexpr int kQElemBytes = Tr::kScaleGroups ? 2 : int(sizeof(Element));  // fp8_ds_mla's q is bf16
-    constexpr uint32_t kRowBytes = decode_cfg::kHeadDimQK * kQElemBytes;
-    static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
-    const char* q = static_cast<const char*>(p.q) + batch * p.q_batch_stride * kQElemBytes;
-    const int r0 = m_block * kBlockM;
-    const int r_end = min(r0 + kBlockM, p.q_rows_per_head_k);
-    int s = r0 / p.heads_per_head_k;
-    int h = r0 % p.heads_per_head_k;
-    for (int r = r0; r < r_end; ++r) {
-      const int64_t row = s * p.q_seq_stride + (head_k * p.heads_per_head_k + h) * p.q_head_stride;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(q + row * kQElemBytes), "r"(kRowBytes)
-                   : "memory");
-      if (++h == p.heads_per_head_k) h = 0, ++s;
-    }
-  }
-
-  // ------------------------------------ where a chunk's results are written
-  // The chunk's row of partials (num_splits[batch] + its split index) and
-  // whether it is its sequence's only split. One thread reads these words
-  // from global memory when the chunk's Q load starts and stores them into
-  // shared memory (store_chunk_split) before kQReady, so the Q load hides
-  // their latency; the epilogue reads them back before its first barrier.
-  // (Read in the epilogue itself, they were global reads under the page
-  // stream's load, on every chunk hand-over.) cta_first: the CTA's first
-  // chunk, whose split index the scheduler wrote; later chunks start at 0.
-  __device__ static int2 load_chunk_split(const DecodeParams& p, int batch, bool cta_first, int ctid) {
-    int2 split = make_int2(0, 0);
-    if (ctid == 0) {
-      const int begin = p.num_splits[batch];
-      split.y = p.num_splits[batch + 1] - begin == 1;
-      split.x = begin + (cta_first ? p.sched_meta[blockIdx.x].begin_split_idx : 0);
-    }
-    return split;
-  }
-  __device__ static void store_chunk_split(Plan& plan, int2 split, int ctid) {
-    if (ctid == 0) plan.chunk_split = split;
   }
 
   // ------------------------------------------------------- Q tile of a chunk
   // Row r of the tile is query token r / heads_per_head_k of head
   // hk * heads_per_head_k + r % heads_per_head_k (params.h); rows past
   // q_rows_per_head_k are zero-filled (their results are never stored).
-  // Also the chunk's split words (load_chunk_split).
-  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, bool cta_first, int head_k,
-                                int m_block, int ctid) {
+  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
+                                int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
@@ -257,7 +211,6 @@ struct SplitKvMlaKernel {
                    "l"(src), "r"(valid ? 16 : 0)
                    : "memory");
     }
-    store_chunk_split(plan, load_chunk_split(p, batch, cta_first, ctid), ctid);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
@@ -317,8 +270,7 @@ struct SplitKvMlaKernel {
                                   int wg, int tid);
   // fp8_ds_mla (consumer_ds.cuh): the quantizing Q prologue, a token's scale
   // address in a slot, and the per-page split consumer.
-  __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, bool cta_first, int head_k,
-                                   int m_block, int ctid);
+  __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid);
   __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t);
   // The four scales of token t (zeros for t >= valid), and the page's largest
   // scale per group over its first `valid` tokens (every warp reduces all 64).
@@ -407,7 +359,7 @@ struct SplitKvMlaKernel {
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
-      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
+      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
     }
   }
 };

@@ -184,7 +184,6 @@ struct Traits<config::KvFormat::kBf16> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     // Per slot and part (0: slabs 0-3, 1: slabs 4-8): TMA landed
     // (transaction barrier); the part's consumer WG (4 warps) is done with it.
-    int2 chunk_split;  // the chunk's partials row and whether it is the only split (load_chunk_split)
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
   };
@@ -269,7 +268,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float ref_max[2][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    int2 chunk_split;  // the chunk's partials row and whether it is the only split (load_chunk_split)
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
   };
@@ -401,7 +399,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     float q_scale[decode_cfg::kBlockM];  // q's per-row power-of-two scale
     float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    int2 chunk_split;  // the chunk's partials row and whether it is the only split (load_chunk_split)
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
   };
@@ -458,7 +455,6 @@ struct NarrowTraits<config::KvFormat::kFp8PerTensor> : Traits<config::KvFormat::
     narrow_cfg::Exchange exchange;
     float col_max[decode_cfg::kNumConsumerWGs][2][4][narrow_cfg::kRows];  // [WG][page parity][warp][query row]
     alignas(16) Element zeros[16];  // the ldmatrix row of tokens past the chunk
-    int2 chunk_split;  // the chunk's partials row and whether it is the only split (load_chunk_split)
     alignas(8) uint64_t k_full[decode_cfg::kNumConsumerWGs][kNumStages][2];  // [WG taking the page][stage][part]
     alignas(8) uint64_t k_empty[kNumStages][2];
   };
@@ -485,7 +481,6 @@ struct NarrowTraits<config::KvFormat::kFp8DsMla> : Traits<config::KvFormat::kFp8
     float q_scale[decode_cfg::kBlockM];
     float col_max[decode_cfg::kNumConsumerWGs][2][4][narrow_cfg::kRows];
     alignas(16) Element zeros[16];
-    int2 chunk_split;  // the chunk's partials row and whether it is the only split (load_chunk_split)
     alignas(8) uint64_t k_full[decode_cfg::kNumConsumerWGs][kNumStages];  // [WG taking the page][stage]
     alignas(8) uint64_t k_empty[kNumStages];
   };
