@@ -30,7 +30,7 @@ DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P r
              "slot wait", "P stored")
 PRODUCER_EVENTS = ("left issued", "right issued")
 # Per chunk, at the ring position of its first page (start, Q loaded) or last page (pages done, epilogue done).
-CHUNK_START, Q_LOADED, PAGES_DONE, EPILOGUE_DONE = 10, 11, 12, 13
+CHUNK_START, Q_LOADED, PAGES_DONE, EPILOGUE_DONE, SUMS_SHARED = 10, 11, 12, 13, 14
 
 
 def unpack(raw: bytes, shape) -> tuple[np.ndarray, np.ndarray]:
@@ -145,6 +145,28 @@ def chunk_boundaries(stamps: np.ndarray, clocks: np.ndarray):
     return np.asarray(starts).reshape(-1, 3), np.asarray(boundaries).reshape(-1, 4)
 
 
+def epilogue_phases(stamps: np.ndarray, clocks: np.ndarray):
+    """Every chunk end of the traced CTAs, per WG, in ns after WG0's pages done: [WG0 sums shared,
+    WG0 written, WG1 pages done, WG1 sums shared, WG1 written]."""
+    per_ns = 1.0 / ghz(clocks)
+    out = []
+    for cta in range(stamps.shape[0]):
+        s0, s1 = stamps[cta, 0], stamps[cta, 1]
+        for page in np.nonzero(s0[:, EPILOGUE_DONE])[0]:
+            words = (s0[page, PAGES_DONE], s0[page, SUMS_SHARED], s0[page, EPILOGUE_DONE], s1[page, PAGES_DONE],
+                     s1[page, SUMS_SHARED], s1[page, EPILOGUE_DONE])
+            if all(words):
+                out.append([(w - words[0]) * per_ns for w in words[1:]])
+    return np.asarray(out).reshape(-1, 5)
+
+
+def print_epilogue(rows):
+    if len(rows):
+        a, b, c, d, e = np.median(rows, axis=0)
+        print(f"chunk ends (median of {len(rows)}, ns after WG0's pages done): WG0 sums shared {a:.0f}, written {b:.0f}; "
+              f"WG1 pages done {c:.0f}, sums shared {d:.0f}, written {e:.0f}")
+
+
 def print_chunks(starts, boundaries):
     if len(starts):
         a, b, c = np.median(starts, axis=0)
@@ -219,6 +241,7 @@ def main(argv=None) -> int:
     _, pages_per_period = rows_for(args.format)
     print_report(layout(stamps, clocks, args.format), args.format, pages_per_period)
     print_chunks(*chunk_boundaries(stamps, clocks))
+    print_epilogue(epilogue_phases(stamps, clocks))
     return 0
 
 

@@ -12,7 +12,7 @@ _spec = importlib.util.spec_from_file_location(
 trace = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(trace)
 
-SHAPE = (3, 3, 64, 14, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
+SHAPE = (3, 3, 64, 15, 4)  # ctas, roles, pages, events, clock words (the module's EVENT_TRACE_SHAPE, smaller)
 GHZ = 2.0
 PERIOD = 3000  # cycles per pair
 # Cycles after WG0's top of the pair, by (role, event); S landing stamps sit at the page of that S.
@@ -84,3 +84,15 @@ def test_chunk_boundaries_split_a_hand_over_into_its_steps():
     starts, boundaries = trace.chunk_boundaries(stamps, clocks)
     np.testing.assert_allclose(starts, [[200, 1000, 300]])
     np.testing.assert_allclose(boundaries, [[1000, 100, 4000, 400]])
+
+
+def test_epilogue_phases_time_both_warpgroups_from_wg0s_last_wgmma():
+    ctas, roles, pages, events, clock_words = SHAPE
+    stamps = np.zeros((ctas, roles, pages, events), np.int64)
+    clocks = np.zeros((ctas, clock_words), np.int64)
+    clocks[0] = [1000, 500, 1000 + 2 * 10**6, 500 + 10**6]  # 2 cycles per ns
+    ends = [trace.PAGES_DONE, trace.SUMS_SHARED, trace.EPILOGUE_DONE]
+    stamps[0, 0, 4, ends] = [50_000, 52_000, 60_000]
+    stamps[0, 1, 4, ends] = [51_000, 52_100, 59_000]
+    stamps[0, 0, 9, ends] = [90_000, 91_000, 92_000]  # WG1 never stamped this chunk end: left out
+    np.testing.assert_allclose(trace.epilogue_phases(stamps, clocks), [[1000, 5000, 500, 1050, 4500]])

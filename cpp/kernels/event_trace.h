@@ -25,7 +25,7 @@ namespace jax_flash_mla::event_trace {
 inline constexpr int kCtas = 16;    // CTAs (x, 0, 0) with x < kCtas: KV head 0, query-row tile 0
 inline constexpr int kRoles = 3;    // consumer WG0, consumer WG1, producer
 inline constexpr int kPages = 256;  // ring positions (pages a CTA consumed so far, across chunks)
-inline constexpr int kEvents = 14;
+inline constexpr int kEvents = 15;
 inline constexpr int kClockWords = 4;
 inline constexpr std::size_t kStampWords = std::size_t(kCtas) * kRoles * kPages * kEvents;
 inline constexpr std::size_t kWords = kStampWords + std::size_t(kCtas) * kClockWords;
@@ -65,8 +65,9 @@ enum ChunkEvent : int {
   kQLoaded,          // Q in shared memory (past kQReady)
   kPagesDone,        // the chunk's last WGMMA retired
   kEpilogueDone,     // O and lse (or the split partials) written
+  kSumsShared,       // the epilogue past kSumReady (both WGs' row sums in shared memory)
 };
-static_assert(int(kPairStored) < int(kChunkStart) && int(kDsPStored) < int(kChunkStart) && int(kEpilogueDone) < kEvents,
+static_assert(int(kPairStored) < int(kChunkStart) && int(kDsPStored) < int(kChunkStart) && int(kSumsShared) < kEvents,
               "event ids");
 // producer, per page.
 enum ProducerEvent : int {

@@ -469,6 +469,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     }
     Chunk ce = c;
     ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+    share_row_sums(plan, softmax, wg, tid, rows);
+    stamp(args, wg, it - 1, event_trace::kSumsShared);
     epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   });

@@ -428,6 +428,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     stamp(args, wg, it - 1, event_trace::kPagesDone);
+    share_row_sums(plan, softmax, wg, tid, rows);
+    stamp(args, wg, it - 1, event_trace::kSumsShared);
     epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }

@@ -5,7 +5,20 @@
 
 namespace jax_flash_mla::sm90 {
 
-// A chunk that is its sequence's only split writes out (bf16) and lse
+// Each WG's partial row sums (quad-reduced) meet in shared memory: both WGs
+// normalize all 64 rows of their column half by the sum over both.
+template <config::KvFormat kFormat, bool kNarrow>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::share_row_sums(Plan& plan, const OnlineSoftmaxState& softmax,
+                                                                  int wg, int tid, const int (&rows)[2]) {
+  const float sum[2] = {quad_allreduce_sum(softmax.sum[0]), quad_allreduce_sum(softmax.sum[1])};
+  if ((tid & 3) == 0) {
+    plan.row_sum[wg][rows[0]] = sum[0];
+    plan.row_sum[wg][rows[1]] = sum[1];
+  }
+  named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
+}
+
+// After share_row_sums. A chunk that is its sequence's only split writes out (bf16) and lse
 // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
 // `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
 // multiplies the output, in partials alike.
@@ -18,13 +31,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
                                                             float out_scale) {
   using namespace cute;
   const int lane = tid % 32;
-  float sum[2] = {quad_allreduce_sum(softmax.sum[0]), quad_allreduce_sum(softmax.sum[1])};
-  if ((lane & 3) == 0) {
-    plan.row_sum[wg][rows[0]] = sum[0];
-    plan.row_sum[wg][rows[1]] = sum[1];
-  }
-  named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
-
   const int split_begin = p.num_splits[c.batch];
   const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
   const int64_t accum_row0 =

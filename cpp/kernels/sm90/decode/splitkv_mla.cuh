@@ -288,7 +288,10 @@ struct SplitKvMlaKernel {
                                          int wg, int tid, bool has_pages, const float (&m_ref)[4],
                                          const float (&l_part)[4], FragO& tOrO, float logit_scale, float scale_log2,
                                          float out_scale);
-  // Normalizes O and writes out / lse or the split partials (epilogue.cuh).
+  // The chunk's end (epilogue.cuh): the row sums of both WGs meet, then O is
+  // normalized and written as out / lse or as split partials.
+  __device__ static void share_row_sums(Plan& plan, const OnlineSoftmaxState& softmax, int wg, int tid,
+                                        const int (&rows)[2]);
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
                                   int tid, const OnlineSoftmaxState& softmax, FragO& tOrO, const CoordO& tOcO,
