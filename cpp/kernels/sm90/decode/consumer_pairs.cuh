@@ -260,14 +260,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
-    if (args.q_by_tma) {
-      mbarrier_wait(&plan.q_full, (b - meta.begin_batch) & 1);
-      // Both WGs in step at a chunk's start, as after load_q: the last
-      // chunk's epilogue has read the row sums the next one writes.
-      named_barrier_sync(NamedBarriers::kQReady, kConsumers);
-    } else {
-      load_q(p, plan, c.batch, head_k, m_block, ctid);
-    }
+    load_q(p, plan, c.batch, head_k, m_block, ctid);
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
@@ -434,10 +427,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // WGMMA, C7514), so say it.
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    if (args.q_by_tma) {  // this warp's S no longer reads Q: the producer may load the next chunk's
-      __syncwarp();
-      mbarrier_arrive_if(&plan.q_empty, lane == 0);
-    }
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
