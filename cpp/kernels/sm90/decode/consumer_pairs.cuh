@@ -36,6 +36,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   typename Tr::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
+  const int ctid = wg * 128 + tid;
   const int lane = tid % 32;
   // fp8_per_tensor: logits are softmax_scale * descale_q * descale_k * q.k
   // and the output carries descale_k (V shares K's scale). Read once per
@@ -259,11 +260,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
-    // The producer WG fills Q (load_q_tma / q_copier). Both WGs then meet, as they do
-    // after load_q elsewhere: the last chunk's epilogue has read the row sums
-    // that this one writes.
-    mbarrier_wait(&plan.q_full, (b - meta.begin_batch) & 1);
-    named_barrier_sync(NamedBarriers::kQReady, kConsumers);
+    load_q(p, plan, c.batch, head_k, m_block, ctid);
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
@@ -430,8 +427,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // WGMMA, C7514), so say it.
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    __syncwarp();
-    mbarrier_arrive_if(&plan.q_empty, lane == 0);  // this warp's S no longer read Q
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);

@@ -80,12 +80,6 @@ struct SplitKvArgs {
   DecodeParams params;
   CUtensorMap k_map;
   CUtensorMap scale_map;  // fp8_ds_mla's token scales (zeros otherwise)
-  // The query tile by TMA (q_by_tma, run_splitkv_mla decides; the page-pair
-  // kernels only): q as (channel, head within the KV head's group, KV head,
-  // query token, batch), one box per 64-channel slab of 64 rows. Otherwise
-  // (zeros) the tile is copied by cp.async.
-  CUtensorMap q_map;
-  int q_by_tma;
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   uint64_t* event_trace;  // kernels/event_trace.h; null until armed
 #endif
@@ -133,11 +127,6 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
-  // The page-pair consumer (bf16, fp8_per_tensor) takes its Q tile from the
-  // producer WG (load_q_tma, q_copier); fp8_ds_mla quantizes q on its way in and the
-  // few-rows kernel reads 16 rows, so both keep their own loads.
-  static constexpr bool kQByProducer = !kNarrow && !Tr::kScaleGroups;
-  static constexpr int kQCopierThreads = decode_cfg::kNumThreads - kConsumers - 32;  // warps 9-11
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -165,21 +154,12 @@ struct SplitKvMlaKernel {
 
   // ---------------------------------------------------------------- producer
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
-                                  int head_k, int m_block) {
+                                  int head_k) {
     const DecodeParams& p = args.params;
-    int it = 0;     // pages issued by this CTA, across chunks (ring position)
-    int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
+    int it = 0;  // pages issued by this CTA, across chunks (ring position)
     stamp_clocks(args, 0);
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
-      // With q_by_tma the chunk's Q tile goes out after its first page (a
-      // hand-over's first page is issued while the last chunk still runs).
-      auto issue_q = [&] {
-        if constexpr (kQByProducer) {
-          if (args.q_by_tma) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
-        }
-      };
-      if (c.first_page() == c.end_page()) issue_q();
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
@@ -201,55 +181,23 @@ struct SplitKvMlaKernel {
             load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
-        if (page == c.first_page()) issue_q();
       }
-      ++chunk;
     });
     stamp_clocks(args, 1);
   }
 
   // ------------------------------------------------------- Q tile of a chunk
-  // kQByProducer: the producer WG loads each chunk's Q tile as soon as every
-  // consumer warp is done with the last one's (q_empty, after its last
-  // WGMMA), so the load overlaps the last chunk's epilogue instead of
-  // following it. By TMA from the producer thread when q's rows tile a box
-  // (q_by_tma): nine boxes of 64 channels x 64 rows, each landing as one slab
-  // of SmemLayoutQ (the K page's layout), rows past s_q zero-filled.
-  __device__ static void load_q_tma(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
-                                    int chunk) {
-    const int row0 = m_block * kBlockM;
-    const int heads = args.params.heads_per_head_k;
-    mbarrier_wait(&plan.q_empty, (chunk & 1) ^ 1);
-    mbarrier_arrive_expect_tx(&plan.q_full, uint32_t(Tr::kQElems * sizeof(Element)));
-    for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) {
-      tma_load_5d(&args.q_map, &plan.q_full, plan.q + slab * kBlockM * decode_cfg::kTmaBoxChannels,
-                  slab * decode_cfg::kTmaBoxChannels, row0 % heads, head_k, row0 / heads, batch);
-    }
-  }
-  // Otherwise warps 9-11 (idle in the producer WG) copy it by cp.async, as
-  // the consumers of the other kernels do; the consumers wait on q_full in
-  // both cases (a branch between the two in the consumer moved bf16's WGMMA
-  // descriptors out of the uniform datapath: +338 R2UR).
-  __device__ static void q_copier(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
-                                  int m_block, int ltid) {
-    for (int b = meta.begin_batch, chunk = 0; b <= meta.end_batch; ++b, ++chunk) {
-      mbarrier_wait(&plan.q_empty, (chunk & 1) ^ 1);
-      copy_q_by_rows(args.params, plan, b, head_k, m_block, ltid);
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
-      mbarrier_arrive_if(&plan.q_full, true);
-    }
-  }
-
-  // Issues the cp.async copy of the tile by `threads` threads (tid < threads).
-  __device__ static void copy_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int tid,
-                                int threads) {
+  // Row r of the tile is query token r / heads_per_head_k of head
+  // hk * heads_per_head_k + r % heads_per_head_k (params.h); rows past
+  // q_rows_per_head_k are zero-filled (their results are never stored).
+  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
+                                int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
     constexpr int kChunksPerRow = decode_cfg::kHeadDimQK / kElemsPerChunk;  // 16-byte pieces
     const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride;
-    for (int i = tid; i < kBlockM * kChunksPerRow; i += threads) {
+    for (int i = ctid; i < kBlockM * kChunksPerRow; i += kConsumers) {
       const int row = i / kChunksPerRow;
       const int col = (i % kChunksPerRow) * kElemsPerChunk;
       const int r = m_block * kBlockM + row;
@@ -263,36 +211,6 @@ struct SplitKvMlaKernel {
                    "l"(src), "r"(valid ? 16 : 0)
                    : "memory");
     }
-  }
-  // copy_q for q_copier's 24 registers: thread t moves 16-byte piece
-  // t % kPieces of every kCopierRows-th row, from one row address a step.
-  __device__ static void copy_q_by_rows(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
-                                        int tid) {
-    using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
-    constexpr int kElemsPerPiece = 16 / int(sizeof(Element));
-    constexpr int kPieces = decode_cfg::kHeadDimQK / kElemsPerPiece;  // per row: 72 (bf16), 36 (e4m3)
-    constexpr int kCopierRows = kQCopierThreads / kPieces;
-    static_assert(kCopierRows >= 1 && kBlockM % kCopierRows == 0, "q_copier's rows");
-    if (tid >= kCopierRows * kPieces) return;
-    const int col = (tid % kPieces) * kElemsPerPiece;
-    const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride + col;
-#pragma unroll 1
-    for (int row = tid / kPieces; row < kBlockM; row += kCopierRows) {
-      const int r = m_block * kBlockM + row;
-      const bool valid = r < p.q_rows_per_head_k;
-      const int s = valid ? r / p.heads_per_head_k : 0;
-      const int h = valid ? head_k * p.heads_per_head_k + r % p.heads_per_head_k : 0;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                       smem_addr(raw_pointer_cast(&sQ(row, col)))),
-                   "l"(q + s * p.q_seq_stride + h * p.q_head_stride), "r"(valid ? 16 : 0)
-                   : "memory");
-    }
-  }
-  // The consumers' own copy (the few-rows kernel).
-  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
-                                int ctid) {
-    copy_q(p, plan, batch, head_k, m_block, ctid, kConsumers);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
@@ -406,10 +324,6 @@ struct SplitKvMlaKernel {
           }
         }
       }
-      if constexpr (kQByProducer) {
-        mbarrier_init(&plan.q_full, args.q_by_tma ? 1 : kQCopierThreads);
-        mbarrier_init(&plan.q_empty, kConsumers / 32);  // every consumer warp's S read Q
-      }
       fence_mbarrier_init();
     }
     if constexpr (Tr::kVNeedsTranspose) {
@@ -421,9 +335,6 @@ struct SplitKvMlaKernel {
     if (threadIdx.x == kConsumers && p.num_blocks > 0) {
       tma_prefetch_descriptor(&args.k_map);
       if constexpr (Tr::kScaleGroups) tma_prefetch_descriptor(&args.scale_map);
-      if constexpr (kQByProducer) {
-        if (args.q_by_tma) tma_prefetch_descriptor(&args.q_map);
-      }
     }
     __syncthreads();
 
@@ -451,13 +362,7 @@ struct SplitKvMlaKernel {
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
-      if (threadIdx.x == kConsumers) {
-        producer(args, plan, meta, head_k, m_block);
-      } else if constexpr (kQByProducer) {
-        if (warp > kConsumers / 32 && !args.q_by_tma) {
-          q_copier(args, plan, meta, head_k, m_block, threadIdx.x - kConsumers - 32);
-        }
-      }
+      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
     }
   }
 };
@@ -539,38 +444,6 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
   return map;
 }
 
-// q [batch, s_q, h_q, 576] as (channel, head within the KV head's group, KV
-// head, query token, batch): query-row tile m of KV head hk, rows r = s *
-// heads + h, is one box {64, box_heads, 1, 64 / box_heads, 1} at {64c,
-// 64m % heads, hk, 64m / heads, b} when the tile's rows tile that box:
-// heads a multiple of 64 (box_heads = 64) or a divisor of 64 (box_heads =
-// heads). Returns false (map untouched) for other group sizes, whose tiles
-// q_copier copies by cp.async.
-template <config::KvFormat kFormat>
-bool make_q_tensor_map(const DecodeParams& p, CUtensorMap* map) {
-  using Tr = Traits<kFormat>;
-  constexpr int kElemBytes = sizeof(typename Tr::Element);
-  const int heads = p.heads_per_head_k;
-  const int block_m = decode_cfg::kBlockM;
-  if (heads <= 0 || (heads >= block_m ? heads % block_m != 0 : block_m % heads != 0)) return false;
-  const int box_heads = heads >= block_m ? block_m : heads;
-  const cuuint64_t dims[5] = {cuuint64_t(config::kHeadDimQK), cuuint64_t(heads), cuuint64_t(p.num_heads_k),
-                              cuuint64_t(p.seqlen_q), cuuint64_t(p.batch)};
-  const cuuint64_t strides[4] = {cuuint64_t(p.q_head_stride) * kElemBytes,
-                                 cuuint64_t(p.q_head_stride) * heads * kElemBytes,
-                                 cuuint64_t(p.q_seq_stride) * kElemBytes, cuuint64_t(p.q_batch_stride) * kElemBytes};
-  const cuuint32_t box[5] = {cuuint32_t(decode_cfg::kTmaBoxChannels), cuuint32_t(box_heads), 1,
-                             cuuint32_t(block_m / box_heads), 1};
-  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
-  CUresult r = detail::encode_tiled_fn()(map, Tr::kTmaDataType, 5, const_cast<void*>(p.q), dims, strides, box,
-                                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, Tr::kTmaSwizzle,
-                                         decode_cfg::kTmaL2Promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled (q) failed (" +
-                             std::to_string(int(r)) + ")");
-  return true;
-}
-
 template <config::KvFormat kFormat>
 void run_splitkv_mla(const DecodeParams& params) {
   using Tr = Traits<kFormat>;
@@ -583,12 +456,6 @@ void run_splitkv_mla(const DecodeParams& params) {
   } else {
     memset(&args.scale_map, 0, sizeof(args.scale_map));
   }
-  memset(&args.q_map, 0, sizeof(args.q_map));
-  args.q_by_tma = 0;
-  const bool narrow = Tr::kNarrowRows > 0 && params.q_rows_per_head_k <= Tr::kNarrowRows;
-  if constexpr (!Tr::kScaleGroups) {
-    if (!narrow) args.q_by_tma = make_q_tensor_map<kFormat>(params, &args.q_map);
-  }
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   args.event_trace = event_trace::device_buffer();
 #endif
@@ -600,7 +467,7 @@ void run_splitkv_mla(const DecodeParams& params) {
                     dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
   };
   if constexpr (Tr::kNarrowRows > 0) {
-    if (narrow) {
+    if (params.q_rows_per_head_k <= Tr::kNarrowRows) {
       launch(&splitkv_mla_kernel<kFormat, true>, NarrowTraits<kFormat>::kSmemBytes);
       return;
     }

@@ -186,8 +186,6 @@ struct Traits<config::KvFormat::kBf16> {
     // (transaction barrier); the part's consumer WG (4 warps) is done with it.
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    // The Q tile by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with it.
-    alignas(8) uint64_t q_full, q_empty;
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
@@ -272,8 +270,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    // The Q tile by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with it.
-    alignas(8) uint64_t q_full, q_empty;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
