@@ -260,7 +260,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
-    load_q(p, plan, c.batch, head_k, m_block, ctid);
+    acquire_q(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
@@ -427,6 +427,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // WGMMA, C7514), so say it.
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+    release_q(args, plan, lane);
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);

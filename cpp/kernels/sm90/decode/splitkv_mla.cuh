@@ -80,6 +80,11 @@ struct SplitKvArgs {
   DecodeParams params;
   CUtensorMap k_map;
   CUtensorMap scale_map;  // fp8_ds_mla's token scales (zeros otherwise)
+  // The query tile by TMA (q_by_tma, run_splitkv_mla decides): q as (channel,
+  // head within the KV head's group, KV head, query token, batch), one box per
+  // 64-channel slab of 64 rows. Otherwise (zeros) the consumers copy it.
+  CUtensorMap q_map;
+  int q_by_tma;
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   uint64_t* event_trace;  // kernels/event_trace.h; null until armed
 #endif
@@ -127,6 +132,9 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
+  // The 64-row kernel of a format with Traits::kQByTma may take its Q tile
+  // from the producer's TMA (the few-rows kernel reads 16 rows: its own load).
+  static constexpr bool kQByTmaCapable = !kNarrow && Traits<kFormat>::kQByTma;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -154,12 +162,23 @@ struct SplitKvMlaKernel {
 
   // ---------------------------------------------------------------- producer
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
-                                  int head_k) {
+                                  int head_k, int m_block) {
     const DecodeParams& p = args.params;
-    int it = 0;  // pages issued by this CTA, across chunks (ring position)
+    int it = 0;     // pages issued by this CTA, across chunks (ring position)
+    int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
     stamp_clocks(args, 0);
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
+      // The chunk's Q tile goes out right after its first page (a hand-over's
+      // first page is issued while the last chunk still runs), once every
+      // consumer warp is done with the last chunk's Q: the load then overlaps
+      // the last chunk's epilogue instead of following it.
+      auto issue_q = [&] {
+        if constexpr (kQByTmaCapable) {
+          if (args.q_by_tma) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
+        }
+      };
+      if (c.first_page() == c.end_page()) issue_q();
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
@@ -181,9 +200,26 @@ struct SplitKvMlaKernel {
             load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
+        if (page == c.first_page()) issue_q();
       }
+      ++chunk;
     });
     stamp_clocks(args, 1);
+  }
+
+  // The producer's TMA of a chunk's Q tile: nine boxes of 64 channels x 64
+  // rows, each landing as one slab of SmemLayoutQ (the K page's layout). Rows
+  // past q_rows_per_head_k lie past q's query-token extent: zero-filled.
+  __device__ static void load_q_tma(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
+                                    int chunk) {
+    const int row0 = m_block * kBlockM;
+    const int heads = args.params.heads_per_head_k;
+    mbarrier_wait(&plan.q_empty, (chunk & 1) ^ 1);
+    mbarrier_arrive_expect_tx(&plan.q_full, uint32_t(Tr::kQElems * sizeof(Element)));
+    for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) {
+      tma_load_5d(&args.q_map, &plan.q_full, plan.q + slab * kBlockM * decode_cfg::kTmaBoxChannels,
+                  slab * decode_cfg::kTmaBoxChannels, row0 % heads, head_k, row0 / heads, batch);
+    }
   }
 
   // ------------------------------------------------------- Q tile of a chunk
@@ -214,6 +250,32 @@ struct SplitKvMlaKernel {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
+  }
+
+  // The chunk's Q tile in shared memory for the consumers: from the
+  // producer's TMA (load_q_tma) when kQByTmaCapable and args.q_by_tma, else
+  // copied by them (load_q). After the wait both WGs meet, as after load_q:
+  // the last chunk's epilogue has read the row sums that this one writes.
+  __device__ static void acquire_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
+                                   int ctid, int chunk) {
+    if constexpr (kQByTmaCapable) {
+      if (args.q_by_tma) {
+        mbarrier_wait(&plan.q_full, chunk & 1);
+        named_barrier_sync(NamedBarriers::kQReady, kConsumers);
+        return;
+      }
+    }
+    load_q(args.params, plan, batch, head_k, m_block, ctid);
+  }
+  // After the chunk's last WGMMA: this warp no longer reads Q, so the
+  // producer may load the next chunk's.
+  __device__ static void release_q(const SplitKvArgs& args, Plan& plan, int lane) {
+    if constexpr (kQByTmaCapable) {
+      if (args.q_by_tma) {
+        __syncwarp();
+        mbarrier_arrive_if(&plan.q_empty, lane == 0);
+      }
+    }
   }
 
   // ------------------------------------------ per-page steps of both consumers
@@ -324,6 +386,10 @@ struct SplitKvMlaKernel {
           }
         }
       }
+      if constexpr (kQByTmaCapable) {
+        mbarrier_init(&plan.q_full, 1);
+        mbarrier_init(&plan.q_empty, kConsumers / 32);  // every consumer warp's S read Q
+      }
       fence_mbarrier_init();
     }
     if constexpr (Tr::kVNeedsTranspose) {
@@ -335,6 +401,9 @@ struct SplitKvMlaKernel {
     if (threadIdx.x == kConsumers && p.num_blocks > 0) {
       tma_prefetch_descriptor(&args.k_map);
       if constexpr (Tr::kScaleGroups) tma_prefetch_descriptor(&args.scale_map);
+      if constexpr (kQByTmaCapable) {
+        if (args.q_by_tma) tma_prefetch_descriptor(&args.q_map);
+      }
     }
     __syncthreads();
 
@@ -362,7 +431,7 @@ struct SplitKvMlaKernel {
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
-      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k);
+      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
     }
   }
 };
@@ -444,6 +513,38 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
   return map;
 }
 
+// q [batch, s_q, h_q, 576] as (channel, head within the KV head's group, KV
+// head, query token, batch): query-row tile m of KV head hk, rows r = s *
+// heads + h, is one box {64, box_heads, 1, 64 / box_heads, 1} at {64c,
+// 64m % heads, hk, 64m / heads, b} when the tile's rows tile that box:
+// heads a multiple of 64 (box_heads = 64) or a divisor of 64 (box_heads =
+// heads). Returns false (map untouched) for other group sizes, which keep the
+// consumers' copy.
+template <config::KvFormat kFormat>
+bool make_q_tensor_map(const DecodeParams& p, CUtensorMap* map) {
+  using Tr = Traits<kFormat>;
+  constexpr int kElemBytes = sizeof(typename Tr::Element);
+  const int heads = p.heads_per_head_k;
+  const int block_m = decode_cfg::kBlockM;
+  if (heads <= 0 || (heads >= block_m ? heads % block_m != 0 : block_m % heads != 0)) return false;
+  const int box_heads = heads >= block_m ? block_m : heads;
+  const cuuint64_t dims[5] = {cuuint64_t(config::kHeadDimQK), cuuint64_t(heads), cuuint64_t(p.num_heads_k),
+                              cuuint64_t(p.seqlen_q), cuuint64_t(p.batch)};
+  const cuuint64_t strides[4] = {cuuint64_t(p.q_head_stride) * kElemBytes,
+                                 cuuint64_t(p.q_head_stride) * heads * kElemBytes,
+                                 cuuint64_t(p.q_seq_stride) * kElemBytes, cuuint64_t(p.q_batch_stride) * kElemBytes};
+  const cuuint32_t box[5] = {cuuint32_t(decode_cfg::kTmaBoxChannels), cuuint32_t(box_heads), 1,
+                             cuuint32_t(block_m / box_heads), 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  CUresult r = detail::encode_tiled_fn()(map, Tr::kTmaDataType, 5, const_cast<void*>(p.q), dims, strides, box,
+                                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, Tr::kTmaSwizzle,
+                                         decode_cfg::kTmaL2Promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled (q) failed (" +
+                             std::to_string(int(r)) + ")");
+  return true;
+}
+
 template <config::KvFormat kFormat>
 void run_splitkv_mla(const DecodeParams& params) {
   using Tr = Traits<kFormat>;
@@ -456,6 +557,12 @@ void run_splitkv_mla(const DecodeParams& params) {
   } else {
     memset(&args.scale_map, 0, sizeof(args.scale_map));
   }
+  memset(&args.q_map, 0, sizeof(args.q_map));
+  args.q_by_tma = 0;
+  const bool narrow = Tr::kNarrowRows > 0 && params.q_rows_per_head_k <= Tr::kNarrowRows;
+  if constexpr (Tr::kQByTma) {
+    if (!narrow) args.q_by_tma = make_q_tensor_map<kFormat>(params, &args.q_map);
+  }
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   args.event_trace = event_trace::device_buffer();
 #endif
@@ -467,7 +574,7 @@ void run_splitkv_mla(const DecodeParams& params) {
                     dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
   };
   if constexpr (Tr::kNarrowRows > 0) {
-    if (params.q_rows_per_head_k <= Tr::kNarrowRows) {
+    if (narrow) {
       launch(&splitkv_mla_kernel<kFormat, true>, NarrowTraits<kFormat>::kSmemBytes);
       return;
     }

@@ -160,6 +160,11 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
+  // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
+  // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
+  // the consumer's branch between the two loads cost the S descriptors the
+  // uniform datapath).
+  static constexpr bool kQByTma = false;
   // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
   // on M1 against 324-331 us here (session 8), the page loads bound it either way.
   static constexpr int kNarrowRows = 0;
@@ -252,6 +257,10 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
+  // Each chunk's Q tile by the producer's TMA when the group's rows tile a
+  // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
+  // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
+  static constexpr bool kQByTma = true;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
 
@@ -270,6 +279,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
+    // The Q tile by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with it.
+    alignas(8) uint64_t q_full, q_empty;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
@@ -321,6 +332,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
+  static constexpr bool kQByTma = false;     // q is quantized on its way in (load_q_ds)
   static constexpr int kNumGroups = 4;        // 128-channel scale groups of the NoPE part
   static constexpr int kGroupChannels = 128;
   // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) with the lazy rescale's
