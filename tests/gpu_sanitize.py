@@ -49,10 +49,12 @@ def main() -> int:
     return max(check(f, s_q, h_q, h_kv) for f in formats for s_q, h_q, h_kv in SHAPES)
 
 
-# (s_q, h_q, h_kv): 72 rows per KV head (two row tiles, the second padded); and 16 rows (s_q 2 x 8 heads), which
-# the FP8 formats run on their few-rows kernel (consumer_narrow.cuh: transposed WGMMAs, per-WG pages merged at
-# the chunk's end) and bf16 on its 64-row kernel.
-SHAPES = ((2, 72, 2), (2, 8, 1))
+# (s_q, h_q, h_kv): 72 rows per KV head (two row tiles, the second padded; 36 heads a group, which fp8_per_tensor's
+# Q TMA box cannot tile, so its consumers copy Q); 16 rows (s_q 2 x 8 heads), which the FP8 formats run on their
+# few-rows kernel (consumer_narrow.cuh: transposed WGMMAs, per-WG pages merged at the chunk's end) and bf16 on its
+# 64-row kernel; and fp8_per_tensor's Q tile by the producer's TMA: 32 heads (a box of 32 heads x 2 query tokens,
+# the second past s_q and zero-filled) and 64 heads of two KV heads (one box a tile).
+SHAPES = ((2, 72, 2), (2, 8, 1), (1, 32, 1), (1, 128, 2))
 
 
 def check(kv_format: str, s_q: int, h_q: int, h_kv: int) -> int:
