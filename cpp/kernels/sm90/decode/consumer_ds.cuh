@@ -474,7 +474,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   });
-  bulk_wait();  // the epilogues' copies out of shared memory are done before the CTA exits
 }
 
 }  // namespace jax_flash_mla::sm90

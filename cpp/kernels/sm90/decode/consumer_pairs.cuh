@@ -434,7 +434,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }
-  bulk_wait();  // the epilogues' copies out of shared memory are done before the CTA exits
 }
 
 }  // namespace jax_flash_mla::sm90

@@ -63,60 +63,36 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
       lse_off[h] = accum_row0 + r;
     }
   }
-  // O goes out through shared memory and bulk copies of whole rows: its
-  // fragment's own stores write 8 rows x 32 bytes a warp instruction, and
-  // that took ~4 us a chunk for 128 KB of partials (session 17's trace). Each
-  // warp stages 8 rows at a time (one row half of its fragment) in its own
-  // part of Tr::epilogue_staging, which nothing reads between the chunk's
-  // last WGMMA (kSumReady) and the next chunk's first; the lanes holding a
-  // row's first columns (lane % 4 == 0) copy it out.
-  static_assert(kConsumers / 32 * kStageWarpBytes <= Tr::kEpilogueStagingBytes, "the epilogue's stage");
   const int col0 = wg * decode_cfg::kHeadDimVPerWG;
-  char* stage = Tr::epilogue_staging(plan) + (wg * 4 + tid / 32) * kStageWarpBytes;
-  char* row_stage = stage + (lane / 4) * kStageRowBytes;
-  const uint32_t row_addr = smem_addr(row_stage);
-  // out (bf16, `direct`) or the fp32 partials by the same instructions, the
-  // element chosen by predicate: two instantiations behind a branch moved
-  // bf16's WGMMA descriptors out of the uniform datapath (+347 R2UR).
-  const int elem_bytes = direct ? 2 : 4;
-  char* const base = direct ? static_cast<char*>(p.out) : reinterpret_cast<char*>(p.o_accum);
-  CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    if (h == 1) {  // the stage holds row half 0 until its copies have read it
-      bulk_wait_read();
-      __syncwarp();
-    }
+  if (direct) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);  // bf16 for every format
     CUTE_UNROLL
     for (int v = 0; v < size(tOrO); v += 2) {
-      if (fragment_row_half(v) != h) continue;
-      // Select, not multiply: O is stale (never written) in a chunk without pages.
-      const float a = seen[h] ? tOrO(v) * inv[h] : 0.f, b = seen[h] ? tOrO(v + 1) * inv[h] : 0.f;
-      const int col = get<1>(tOcO(v));
-      const __nv_bfloat162 ab = __floats2bfloat162_rn(a, b);
-      asm volatile(
-          "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.shared.b32 [%1], %2;\n"
-          " @!p st.shared.v2.f32 [%3], {%4, %5};\n}\n" ::"r"(int(direct)),
-          "r"(row_addr + col * 2), "r"(*reinterpret_cast<const uint32_t*>(&ab)), "r"(row_addr + col * 4), "f"(a),
-          "f"(b)
-          : "memory");
+      const int h = fragment_row_half(v);
+      if (valid[h]) {
+        const int col = col0 + get<1>(tOcO(v));
+        // Select, not multiply: O is stale (never written) in a chunk without pages.
+        *reinterpret_cast<__nv_bfloat162*>(out + out_off[h] + col) =
+            seen[h] ? __floats2bfloat162_rn(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : __floats2bfloat162_rn(0.f, 0.f);
+      }
     }
-    fence_proxy_async_smem();  // the stage is read by the bulk copies (async proxy)
-    __syncwarp();
-    if ((lane & 3) == 0 && valid[h]) {
-      bulk_store(base + (out_off[h] + col0) * elem_bytes, row_stage, decode_cfg::kHeadDimVPerWG * elem_bytes);
+  } else {
+    CUTE_UNROLL
+    for (int v = 0; v < size(tOrO); v += 2) {
+      const int h = fragment_row_half(v);
+      if (valid[h]) {
+        const int col = col0 + get<1>(tOcO(v));
+        *reinterpret_cast<float2*>(p.o_accum + out_off[h] + col) =
+            seen[h] ? make_float2(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : make_float2(0.f, 0.f);
+      }
     }
-    bulk_commit();
   }
-  bulk_wait_read();
   if (wg == 0 && (lane & 3) == 0) {
     float* dst = direct ? p.lse : p.lse_accum;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h)
       if (valid[h]) dst[lse_off[h]] = lse[h];
   }
-  // Every warp's copies have read their stage before the next chunk writes
-  // there (bf16's Q load, fp8_ds_mla's q staging, the V^T transposes).
-  named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
 }
 
 }  // namespace jax_flash_mla::sm90

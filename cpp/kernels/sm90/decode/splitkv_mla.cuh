@@ -62,7 +62,6 @@
 #include "params.h"
 #include "kernels/event_trace.h"
 #include "kernels/launch.h"
-#include "kernels/sm90/decode/bulk_store.h"
 #include "kernels/sm90/decode/fp8_smem.h"
 #include "kernels/sm90/decode/named_barriers.h"
 #include "kernels/sm90/decode/paged_kv_load.h"
@@ -133,11 +132,6 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
-  // The epilogue's stage (epilogue.cuh): per consumer warp, 8 rows of its
-  // WG's 256 columns in fp32, a row padded by 32 bytes so that a warp's
-  // 8-row store takes two shared-memory wavefronts, the fewest.
-  static constexpr int kStageRowBytes = decode_cfg::kHeadDimVPerWG * 4 + 32;
-  static constexpr int kStageWarpBytes = 8 * kStageRowBytes;
   // The 64-row kernel of a format with Traits::kQByTma may take its Q tile
   // from the producer's TMA (the few-rows kernel reads 16 rows: its own load).
   static constexpr bool kQByTmaCapable = !kNarrow && Traits<kFormat>::kQByTma;

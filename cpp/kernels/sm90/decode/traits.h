@@ -27,7 +27,6 @@
 // specialization at the end of this file.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 #include <cuda.h>
@@ -197,10 +196,6 @@ struct Traits<config::KvFormat::kBf16> {
   // more and round the base up.
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
-  // The epilogue stages O's rows here (epilogue.cuh): Q, which nothing reads
-  // between a chunk's last S and the next chunk's Q load.
-  static constexpr int kEpilogueStagingBytes = int(sizeof(SharedMemoryPlan::q));
-  __device__ static char* epilogue_staging(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.q); }
 };
 
 // fp8_per_tensor: q and the cache are float8_e4m3fn, 576 bytes per token;
@@ -289,13 +284,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
-  // The epilogue stages O's rows here (epilogue.cuh): the V^T and P tiles, one
-  // region, which nothing reads between a chunk's last P V and the next
-  // chunk's first transpose.
-  static constexpr int kEpilogueStagingBytes = int(sizeof(SharedMemoryPlan::vt) + sizeof(SharedMemoryPlan::p));
-  static_assert(offsetof(SharedMemoryPlan, p) == offsetof(SharedMemoryPlan, vt) + sizeof(SharedMemoryPlan::vt),
-                "the V^T and P tiles are one region");
-  __device__ static char* epilogue_staging(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.vt); }
 };
 
 
@@ -428,13 +416,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
-  // The epilogue stages O's rows here (epilogue.cuh): the V^T and P tiles, one
-  // region, which nothing reads between a chunk's last P V and the next
-  // chunk's first transpose.
-  static constexpr int kEpilogueStagingBytes = int(sizeof(SharedMemoryPlan::vt) + sizeof(SharedMemoryPlan::p));
-  static_assert(offsetof(SharedMemoryPlan, p) == offsetof(SharedMemoryPlan, vt) + sizeof(SharedMemoryPlan::vt),
-                "the V^T and P tiles are one region");
-  __device__ static char* epilogue_staging(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.vt); }
   static_assert(kKElems % 1024 == 0, "slots stay 1024-byte aligned");
 };
 
