@@ -34,6 +34,7 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
+// The same through a 5-D map (q's: splitkv_mla.cuh, make_q_tensor_map).
 __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
                                             int c0, int c1, int c2, int c3, int c4) {
   asm volatile(
