@@ -25,11 +25,6 @@ static_assert(kDsMlaBytesPerToken == 656);
 // The three cache formats; each has a traits struct in the decode kernel.
 enum class KvFormat { kBf16, kFp8PerTensor, kFp8DsMla };
 
-// The split-KV partial outputs (o_accum) in bf16 for the FP8 formats, whose
-// e4m3 rounding of P (and q) is 2^5 times coarser than bf16's: half the bytes
-// written at every chunk end and read by the combine. bf16 keeps fp32.
-constexpr bool partials_bf16(KvFormat f) { return f != KvFormat::kBf16; }
-
 // Scheduler: a sequence costs ceil(len / kPageSize) pages plus this fixed
 // overhead (its epilogue / combine share), so short sequences still spread out.
 inline constexpr int kSchedFixedOverheadPages = 5;

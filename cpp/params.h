@@ -73,9 +73,8 @@ struct DecodeParams {
   // Split-KV partials: [batch + num_sm_parts, num_heads_k, q_rows_per_head_k, kHeadDimV]
   // and [batch + num_sm_parts, num_heads_k, q_rows_per_head_k]; lse in natural log,
   // -inf for a split where the row sees no key.
-  void* o_accum;  // float, or bf16 where config::partials_bf16(format)
+  float* o_accum;
   float* lse_accum;
-  bool partials_bf16;
 
   const SchedMeta* sched_meta;  // [num_sm_parts]
   const int32_t* num_splits;    // [batch + 1]

@@ -29,13 +29,6 @@ Q_DTYPES = {
     "fp8_ds_mla": jnp.dtype(jnp.bfloat16),
 }
 BYTES_PER_TOKEN = {"bf16": 2 * HEAD_DIM_QK, "fp8_per_tensor": HEAD_DIM_QK, "fp8_ds_mla": DS_MLA_BYTES_PER_TOKEN}
-# dtype of the kernel's split-KV partial outputs (its o_accum workspace; cpp/config.h: partials_bf16): bf16 for the
-# FP8 formats, whose e4m3 rounding is 2^5 times coarser, fp32 for bf16.
-PARTIAL_DTYPES = {
-    "bf16": jnp.dtype(jnp.float32),
-    "fp8_per_tensor": jnp.dtype(jnp.bfloat16),
-    "fp8_ds_mla": jnp.dtype(jnp.bfloat16),
-}
 
 
 def check_kv_format(kv_format) -> str:

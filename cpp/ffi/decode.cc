@@ -12,7 +12,7 @@
 //   arg descale_k     float32[1] (or [])
 //   ret out           bf16[b, s_q, h_q, 512]
 //   ret lse           float32[b, h_q, s_q]
-//   ret o_accum       float32[b + P, h_kv, s_q * h_q / h_kv, 512]   split-KV workspace (bf16: FP8 formats)
+//   ret o_accum       float32[b + P, h_kv, s_q * h_q / h_kv, 512]   split-KV workspace
 //   ret lse_accum     float32[b + P, h_kv, s_q * h_q / h_kv]        split-KV workspace
 //   attr softmax_scale float32, causal bool
 //
@@ -114,9 +114,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_c
   const int64_t rows = s_q * heads_per_head_k;
   JFM_RETURN_IF_ERROR(check_buffer(*out, "out", ffi::DataType::BF16, {b, s_q, h_q, kDv}, "[b, s_q, h_q, 512]"));
   JFM_RETURN_IF_ERROR(check_buffer(*lse, "lse", ffi::DataType::F32, {b, h_q, s_q}, "[b, h_q, s_q]"));
-  constexpr bool kPartialsBf16 = config::partials_bf16(kFormat);
-  JFM_RETURN_IF_ERROR(check_buffer(*o_accum, "o_accum", kPartialsBf16 ? ffi::DataType::BF16 : ffi::DataType::F32,
-                                   {b + parts, h_kv, rows, kDv},
+  JFM_RETURN_IF_ERROR(check_buffer(*o_accum, "o_accum", ffi::DataType::F32, {b + parts, h_kv, rows, kDv},
                                    "[b + num_sm_parts, h_kv, s_q * h_q / h_kv, 512]"));
   JFM_RETURN_IF_ERROR(check_buffer(*lse_accum, "lse_accum", ffi::DataType::F32, {b + parts, h_kv, rows},
                                    "[b + num_sm_parts, h_kv, s_q * h_q / h_kv]"));
@@ -167,8 +165,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_c
   p.out_seq_stride = h_q * kDv;
   p.out_batch_stride = s_q * h_q * kDv;
   p.lse = static_cast<float*>(lse->untyped_data());
-  p.o_accum = o_accum->untyped_data();
-  p.partials_bf16 = kPartialsBf16;
+  p.o_accum = static_cast<float*>(o_accum->untyped_data());
   p.lse_accum = static_cast<float*>(lse_accum->untyped_data());
 
   p.sched_meta = static_cast<const SchedMeta*>(sched_meta.untyped_data());

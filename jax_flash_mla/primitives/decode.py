@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, reference, validation
-from ..formats import HEAD_DIM_V, PARTIAL_DTYPES
+from ..formats import HEAD_DIM_V
 from .base import make_primitive
 
 
@@ -45,7 +45,7 @@ def _kernel(q, k_cache, block_table, cache_seqlens, sched_meta, num_splits, desc
     out_types = (
         jax.ShapeDtypeStruct((b, s_q, h_q, HEAD_DIM_V), jnp.bfloat16),      # out
         jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32),                   # lse
-        jax.ShapeDtypeStruct((max_splits, h_kv, rows, HEAD_DIM_V), PARTIAL_DTYPES[kv_format]),  # o_accum (workspace)
+        jax.ShapeDtypeStruct((max_splits, h_kv, rows, HEAD_DIM_V), jnp.float32),  # o_accum (workspace)
         jax.ShapeDtypeStruct((max_splits, h_kv, rows), jnp.float32),        # lse_accum (workspace)
     )
     call = jax.ffi.ffi_call(_ffi.decode_target(kv_format), out_types)

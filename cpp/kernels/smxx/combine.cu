@@ -4,10 +4,9 @@
 // Grid:  (ceil(num_heads_k * q_rows_per_head_k / 4), batch); block: 128
 // threads = 4 warps, one warp per (KV head, query row). A warp reads the
 // row's num_splits partial lse values (natural log, -inf where the split saw
-// no key), forms lse = log(sum_s exp(lse_s)), and sums the partial outputs
-// (fp32, or bf16 for the FP8 formats: config::partials_bf16) weighted by
-// exp(lse_s - lse) in fp32; each lane owns 16 of the 512 columns as four
-// loads of 4 values (coalesced 512 or 256 B per warp and step).
+// no key), forms lse = log(sum_s exp(lse_s)), and sums the fp32 partial
+// outputs weighted by exp(lse_s - lse); each lane owns 16 of the 512 columns
+// as four float4 loads (coalesced 512 B per warp and step).
 // Sequences with a single split were written by the decode kernel directly;
 // their warps return at once.
 //
@@ -30,16 +29,6 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kColsPerLane = config::kHeadDimV / 32;  // 16
 
-// Four consecutive partial values as fp32.
-__device__ __forceinline__ float4 load4(const float* src) { return *reinterpret_cast<const float4*>(src); }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* src) {
-  const uint2 w = *reinterpret_cast<const uint2*>(src);
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
-  return make_float4(lo.x, lo.y, hi.x, hi.y);
-}
-
-template <class Partial>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) combine_kernel(const __grid_constant__ DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -78,10 +67,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) combine_kernel(const __gr
     for (int s = 0; s < n; ++s) {
       const float w = expf(p.lse_accum[row0 + s * split_stride] - lse);  // 0 for a -inf partial
       if (w == 0.f) continue;  // also skips rows a split never wrote meaningfully
-      const Partial* src = static_cast<const Partial*>(p.o_accum) + (row0 + s * split_stride) * config::kHeadDimV;
+      const float4* src =
+          reinterpret_cast<const float4*>(p.o_accum + (row0 + s * split_stride) * config::kHeadDimV);
 #pragma unroll
       for (int i = 0; i < kColsPerLane / 4; ++i) {
-        const float4 v = load4(src + 4 * (lane + 32 * i));
+        const float4 v = src[lane + 32 * i];
         acc[4 * i + 0] += w * v.x;
         acc[4 * i + 1] += w * v.y;
         acc[4 * i + 2] += w * v.z;
@@ -111,13 +101,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) combine_kernel(const __gr
 void run_combine(const DecodeParams& params) {
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   const int rows = params.num_heads_k * params.q_rows_per_head_k;
-  const dim3 grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch);
-  if (params.partials_bf16) {
-    launch_with_pdl(combine_kernel<__nv_bfloat16>, grid, dim3(kWarpsPerBlock * 32), 0, params.stream, "combine",
-                    params);
-  } else {
-    launch_with_pdl(combine_kernel<float>, grid, dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
-  }
+  launch_with_pdl(combine_kernel, dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch),
+                  dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
 }
 
 }  // namespace jax_flash_mla

@@ -465,14 +465,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
       }
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + c.batch * p.out_batch_stride +
                            s * p.out_seq_stride + hq * p.out_head_stride + ch;
-      const int64_t accum = (accum_row0 + r) * config::kHeadDimV + ch;
+      float* accum = p.o_accum + (accum_row0 + r) * config::kHeadDimV + ch;
       if (direct) {
         *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(o[0], o[1]);
-      } else if constexpr (config::partials_bf16(kFormat)) {
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.o_accum) + accum) =
-            __floats2bfloat162_rn(o[0], o[1]);
       } else {
-        *reinterpret_cast<float2*>(static_cast<float*>(p.o_accum) + accum) = make_float2(o[0], o[1]);
+        *reinterpret_cast<float2*>(accum) = make_float2(o[0], o[1]);
       }
     }
     if (wg == 0 && warp == 0 && lane < 4) {

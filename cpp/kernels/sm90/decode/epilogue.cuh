@@ -82,13 +82,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
       const int h = fragment_row_half(v);
       if (valid[h]) {
         const int col = col0 + get<1>(tOcO(v));
-        const float a = seen[h] ? tOrO(v) * inv[h] : 0.f, b = seen[h] ? tOrO(v + 1) * inv[h] : 0.f;
-        if constexpr (config::partials_bf16(kFormat)) {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.o_accum) + out_off[h] + col) =
-              __floats2bfloat162_rn(a, b);
-        } else {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.o_accum) + out_off[h] + col) = make_float2(a, b);
-        }
+        *reinterpret_cast<float2*>(p.o_accum + out_off[h] + col) =
+            seen[h] ? make_float2(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : make_float2(0.f, 0.f);
       }
     }
   }
