@@ -481,6 +481,23 @@ inline EncodeTiledFn encode_tiled_fn() {
   return fn;
 }
 
+// A tiled map of `rank` dims (innermost first; byte strides of dims 1..rank-1)
+// with unit element strides, the decode's L2 promotion and zero fill past the
+// tensor's edges; throws naming `what` if the driver refuses it.
+template <int rank>
+void encode_tiled(CUtensorMap* map, CUtensorMapDataType type, const void* base, const cuuint64_t (&dims)[rank],
+                  const cuuint64_t (&strides)[rank - 1], const cuuint32_t (&box)[rank], CUtensorMapSwizzle swizzle,
+                  const char* what) {
+  cuuint32_t elem_strides[rank];
+  for (int i = 0; i < rank; ++i) elem_strides[i] = 1;
+  const CUresult r = encode_tiled_fn()(map, type, rank, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, decode_cfg::kTmaL2Promotion,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled (") + what +
+                             ") failed (" + std::to_string(int(r)) + ")");
+}
+
 }  // namespace detail
 
 // The cache as (channel, head, token-in-page, block); strides in bytes.
@@ -502,14 +519,7 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
   const cuuint64_t strides[3] = {cuuint64_t(p.k_head_stride) * kElemBytes, cuuint64_t(p.k_token_stride) * kElemBytes,
                                  cuuint64_t(p.k_block_stride) * kElemBytes};
   const cuuint32_t box[4] = {cuuint32_t(box_elems), 1, cuuint32_t(config::kPageSize), 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = detail::encode_tiled_fn()(
-      &map, Tr::kTmaDataType, 4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, decode_cfg::kTmaL2Promotion,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +
-                             ")");
+  detail::encode_tiled(&map, Tr::kTmaDataType, p.k_cache, dims, strides, box, swizzle, "k_cache");
   return map;
 }
 
@@ -535,13 +545,7 @@ bool make_q_tensor_map(const DecodeParams& p, CUtensorMap* map) {
                                  cuuint64_t(p.q_seq_stride) * kElemBytes, cuuint64_t(p.q_batch_stride) * kElemBytes};
   const cuuint32_t box[5] = {cuuint32_t(decode_cfg::kTmaBoxChannels), cuuint32_t(box_heads), 1,
                              cuuint32_t(block_m / box_heads), 1};
-  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
-  CUresult r = detail::encode_tiled_fn()(map, Tr::kTmaDataType, 5, const_cast<void*>(p.q), dims, strides, box,
-                                         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, Tr::kTmaSwizzle,
-                                         decode_cfg::kTmaL2Promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("jax_flash_mla splitkv_mla: cuTensorMapEncodeTiled (q) failed (" +
-                             std::to_string(int(r)) + ")");
+  detail::encode_tiled(map, Tr::kTmaDataType, p.q, dims, strides, box, Tr::kTmaSwizzle, "q");
   return true;
 }
 
