@@ -34,9 +34,10 @@ namespace jax_flash_mla::sm90 {
 // hit distinct banks). The few-rows kernel (<= 16 valid rows: they fit L1)
 // reads global memory twice.
 template <config::KvFormat kFormat, bool kNarrow>
-__device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams& p, Plan& plan, int batch,
-                                                             int head_k, int m_block, int ctid) {
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const SplitKvArgs& args, Plan& plan, int batch,
+                                                             int head_k, int m_block, int ctid, int chunk) {
   using namespace cute;
+  const DecodeParams& p = args.params;
   static_assert(kConsumers == decode_cfg::kBlockM * Tr::kNumGroups, "one thread per (row, group)");
   static_assert(Tr::kHeadDimRope == Tr::kNumGroups * 16, "16 RoPE channels per thread");
   // Opaque to the compiler: the addresses below are recomputed per chunk
@@ -58,7 +59,21 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   constexpr bool kStaged = !kNarrow;
   constexpr uint32_t kStageStride = 304;
   uint32_t stage = 0;
-  if constexpr (kStaged) {
+  // By the producer's TMA (kQByTmaCapable, args.q_by_tma): the tile lands in
+  // the V^T / P tiles as nine 8 KB slabs (64 rows x 64 channels, 128-byte
+  // swizzle: 16-byte piece k of row r at r * 128 + ((k ^ r % 8) * 16)); this
+  // thread's pieces are slab 2g + i / 8 piece i % 8 (NoPE) and slab 8 piece
+  // 2g + i (RoPE). Else each thread copies its own 18 pieces there.
+  bool by_tma = false;
+  uint32_t tma_row = 0;
+  if constexpr (kQByTmaCapable) {
+    by_tma = args.q_by_tma;
+    tma_row = smem_addr(Tr::q_tma_destination(plan)) + uint32_t(row * 128);
+  }
+  const int tma_sw = row & 7;
+  if (by_tma) {
+    if constexpr (kQByTmaCapable) mbarrier_wait(&plan.q_full, chunk & 1);
+  } else if constexpr (kStaged) {
     static_assert(offsetof(Plan, p) == offsetof(Plan, vt) + sizeof(Plan::vt) &&
                       sizeof(Plan::vt) + sizeof(Plan::p) >= kConsumers * kStageStride,
                   "the Q staging copy fits the V^T and P tiles");
@@ -75,10 +90,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const DecodeParams
   }
   auto piece = [&](int i) {  // NoPE pieces 0..15, then RoPE pieces 16, 17 (zeros for an invalid row)
     if constexpr (kStaged) {
+      const uint32_t tma_addr =
+          i < kPieces ? tma_row + uint32_t((2 * g + i / 8) * 8192 + (((i % 8) ^ tma_sw) << 4))
+                      : tma_row + uint32_t(8 * 8192 + (((2 * g + i - kPieces) ^ tma_sw) << 4));
       uint4 x;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                   : "r"(stage + 16 * i)
+                   : "r"(by_tma ? tma_addr : stage + 16 * i)
                    : "memory");
       return x;
     } else {
@@ -281,7 +299,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   int it = 0;
   for_each_chunk(p, walk, [&](const Chunk& c) {
     stamp(args, wg, it, event_trace::kChunkStart);
-    load_q_ds(p, plan, c.batch, head_k, m_block, ctid);
+    load_q_ds(args, plan, c.batch, head_k, m_block, ctid, c.batch - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
     if (c.first_page() < c.end_page()) issue_s_head(it);
 
@@ -455,6 +473,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+    release_q(args, plan, tid % 32);  // the V^T and P tiles may take the next chunk's q
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     // O_g * N_g / kPNormalizer: the true O_g (a chunk without pages leaves O unread:
     // the epilogue writes zeros for rows without keys).

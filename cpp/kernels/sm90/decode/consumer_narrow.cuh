@@ -121,7 +121,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   int chunk_parity = 0;  // which copy of the exchange's sums and maxima the chunk uses
   for_each_chunk(p, walk, [&](const Chunk& c) {
     if constexpr (kGroups) {
-      load_q_ds(p, plan, c.batch, head_k, 0, ctid);
+      load_q_ds(args, plan, c.batch, head_k, 0, ctid, 0);
     } else {
       load_q(p, plan, c.batch, head_k, 0, ctid);
     }

@@ -133,7 +133,8 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
   // The 64-row kernel of a format with Traits::kQByTma may take its Q tile
-  // from the producer's TMA (the few-rows kernel reads 16 rows: its own load).
+  // (fp8_ds_mla: q before its quantization) from the producer's TMA (the
+  // few-rows kernel reads 16 rows: its own load).
   static constexpr bool kQByTmaCapable = !kNarrow && Traits<kFormat>::kQByTma;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
@@ -208,17 +209,22 @@ struct SplitKvMlaKernel {
   }
 
   // The producer's TMA of a chunk's Q tile: nine boxes of 64 channels x 64
-  // rows, each landing as one slab of SmemLayoutQ (the K page's layout). Rows
-  // past q_rows_per_head_k lie past q's query-token extent: zero-filled.
+  // rows into Tr::q_tma_destination, one slab each (fp8_per_tensor: the slabs
+  // of SmemLayoutQ, the K page's layout; fp8_ds_mla: raw bf16 q for
+  // load_q_ds). Rows past q_rows_per_head_k lie past q's query-token extent:
+  // zero-filled.
   __device__ static void load_q_tma(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
                                     int chunk) {
+    using QElement = typename Traits<kFormat>::QTmaElement;
+    constexpr int kSlabBytes = kBlockM * decode_cfg::kTmaBoxChannels * int(sizeof(QElement));
     const int row0 = m_block * kBlockM;
     const int heads = args.params.heads_per_head_k;
+    char* dst = Tr::q_tma_destination(plan);
     mbarrier_wait(&plan.q_empty, (chunk & 1) ^ 1);
-    mbarrier_arrive_expect_tx(&plan.q_full, uint32_t(Tr::kQElems * sizeof(Element)));
+    mbarrier_arrive_expect_tx(&plan.q_full, uint32_t(decode_cfg::kSlabs * kSlabBytes));
     for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) {
-      tma_load_5d(&args.q_map, &plan.q_full, plan.q + slab * kBlockM * decode_cfg::kTmaBoxChannels,
-                  slab * decode_cfg::kTmaBoxChannels, row0 % heads, head_k, row0 / heads, batch);
+      tma_load_5d(&args.q_map, &plan.q_full, dst + slab * kSlabBytes, slab * decode_cfg::kTmaBoxChannels,
+                  row0 % heads, head_k, row0 / heads, batch);
     }
   }
 
@@ -267,8 +273,8 @@ struct SplitKvMlaKernel {
     }
     load_q(args.params, plan, batch, head_k, m_block, ctid);
   }
-  // After the chunk's last WGMMA: this warp no longer reads Q, so the
-  // producer may load the next chunk's.
+  // After the chunk's last WGMMA: this warp no longer reads what the next
+  // chunk's Q TMA overwrites (Q; fp8_ds_mla: the V^T and P tiles).
   __device__ static void release_q(const SplitKvArgs& args, Plan& plan, int lane) {
     if constexpr (kQByTmaCapable) {
       if (args.q_by_tma) {
@@ -332,7 +338,8 @@ struct SplitKvMlaKernel {
                                   int wg, int tid);
   // fp8_ds_mla (consumer_ds.cuh): the quantizing Q prologue, a token's scale
   // address in a slot, and the per-page split consumer.
-  __device__ static void load_q_ds(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid);
+  __device__ static void load_q_ds(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block, int ctid,
+                                   int chunk);
   __device__ static uint32_t ds_scale_addr(uint32_t slot_base, int t);
   // The four scales of token t (zeros for t >= valid), and the page's largest
   // scale per group over its first `valid` tokens (every warp reduces all 64).
@@ -533,7 +540,7 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
 template <config::KvFormat kFormat>
 bool make_q_tensor_map(const DecodeParams& p, CUtensorMap* map) {
   using Tr = Traits<kFormat>;
-  constexpr int kElemBytes = sizeof(typename Tr::Element);
+  constexpr int kElemBytes = sizeof(typename Tr::QTmaElement);
   const int heads = p.heads_per_head_k;
   const int block_m = decode_cfg::kBlockM;
   if (heads <= 0 || (heads >= block_m ? heads % block_m != 0 : block_m % heads != 0)) return false;
@@ -545,7 +552,7 @@ bool make_q_tensor_map(const DecodeParams& p, CUtensorMap* map) {
                                  cuuint64_t(p.q_seq_stride) * kElemBytes, cuuint64_t(p.q_batch_stride) * kElemBytes};
   const cuuint32_t box[5] = {cuuint32_t(decode_cfg::kTmaBoxChannels), cuuint32_t(box_heads), 1,
                              cuuint32_t(block_m / box_heads), 1};
-  detail::encode_tiled(map, Tr::kTmaDataType, p.q, dims, strides, box, Tr::kTmaSwizzle, "q");
+  detail::encode_tiled(map, Tr::kQTmaDataType, p.q, dims, strides, box, Tr::kQTmaSwizzle, "q");
   return true;
 }
 

@@ -27,6 +27,7 @@
 // specialization at the end of this file.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda.h>
@@ -260,7 +261,11 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
+  // It lands as SmemLayoutQ, ready for the WGMMAs.
   static constexpr bool kQByTma = true;
+  using QTmaElement = Element;
+  static constexpr CUtensorMapDataType kQTmaDataType = kTmaDataType;
+  static constexpr CUtensorMapSwizzle kQTmaSwizzle = kTmaSwizzle;
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
 
@@ -284,6 +289,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+  // Where load_q_tma's boxes land: the Q tile itself.
+  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.q); }
 };
 
 
@@ -332,7 +339,13 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
-  static constexpr bool kQByTma = false;     // q is quantized on its way in (load_q_ds)
+  // q (bf16) by the producer's TMA when the group's rows tile a box, into the
+  // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
+  // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
+  static constexpr bool kQByTma = true;
+  using QTmaElement = cutlass::bfloat16_t;
+  static constexpr CUtensorMapDataType kQTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  static constexpr CUtensorMapSwizzle kQTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kNumGroups = 4;        // 128-channel scale groups of the NoPE part
   static constexpr int kGroupChannels = 128;
   // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) with the lazy rescale's
@@ -413,9 +426,18 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
+    // q by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with the tiles it fills.
+    alignas(8) uint64_t q_full, q_empty;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+  // Where load_q_tma's boxes land (raw bf16 q, nine 8 KB slabs of 64 rows x
+  // 64 channels): the V^T and P tiles, one region.
+  static_assert(offsetof(SharedMemoryPlan, p) == offsetof(SharedMemoryPlan, vt) + sizeof(SharedMemoryPlan::vt) &&
+                    sizeof(SharedMemoryPlan::vt) + sizeof(SharedMemoryPlan::p) >=
+                        decode_cfg::kBlockM * decode_cfg::kHeadDimQK * sizeof(QTmaElement),
+                "q by TMA fits the V^T and P tiles");
+  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.vt); }
   static_assert(kKElems % 1024 == 0, "slots stay 1024-byte aligned");
 };
 
