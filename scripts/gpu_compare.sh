@@ -14,6 +14,8 @@
 # default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS); TEST_ARGS (more pytest arguments,
 # e.g. "-m few_rows" for the few-rows kernels' cases; split on spaces, so no argument may contain one: "-m 'not
 # few_rows'" does not work).
+# A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
+# in place of this checkout's; the others with this checkout's.
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -28,6 +30,9 @@ read -r -a builds <<< "${BUILDS:-$(ls -d .carry_* 2> /dev/null | sed 's/^\.carry
 workers=${PYTEST_WORKERS:-4}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 declare -a summary=()
+# This checkout's package, restored before each build (a build may bring its own Python side).
+pristine=$logs/package_pristine
+cp -r jax_flash_mla "$pristine"
 
 for i in "${!builds[@]}"; do
   name=${builds[$i]}
@@ -36,8 +41,14 @@ for i in "${!builds[@]}"; do
     summary+=("$name: no module in .carry_$name")
     continue
   fi
+  rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla
+  package=""
+  if [[ -d .carry_$name/package/jax_flash_mla ]]; then
+    cp -r .carry_"$name"/package/jax_flash_mla/. jax_flash_mla/
+    package=" (its own Python package)"
+  fi
   cp "${so[@]}" jax_flash_mla/
-  echo "==== $name: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)"
+  echo "==== $name: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)$package"
   line="$name:"
   # Smoke run first (tests/gpu_sanitize.py's small cases, every format in one process): a build that hangs or is
   # wrong there skips its tests, racecheck and bench, which would each wait for their whole timeout (session 14
@@ -87,6 +98,7 @@ for i in "${!builds[@]}"; do
     | tee -a "$logs/table.txt"
 done
 
+rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla
 echo
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
@@ -99,7 +111,7 @@ done
 if [[ -n ${OUT:-} ]]; then
   n=1
   while [[ -e $OUT/compare_logs_$n.tar.gz ]]; do n=$((n + 1)); done
-  tar czf "$OUT/compare_logs_$n.tar.gz" -C "$logs" .
+  tar czf "$OUT/compare_logs_$n.tar.gz" --exclude=package_pristine -C "$logs" .
 fi
 echo
 sort -k2,2 -k3,3 -s "$logs/table.txt" 2> /dev/null
