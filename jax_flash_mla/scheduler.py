@@ -3,6 +3,9 @@
 docs/DESIGN.md ("Split-KV scheduling") specifies the walk. Each sequence costs ceil(len / 64) pages plus a fixed
 F = 5; P partitions get a budget of `payload = ceil(total / P) + F` pages each and take sequences in order, finishing
 whole ones while they fit and then a partial chunk of the next one if more than F pages of budget are left.
+Whole-sequence mode replaces that when it costs at most F more: the smallest budget W in ceil(total / P) ..
+ceil(total / P) + 2F with which whole sequences alone fit in P partitions becomes the payload, and no sequence is
+split (so no partials and nothing for the combine to merge; e.g. 128 equal sequences over 66 partitions).
 
 The twin here does not step one sequence at a time: per partition it finishes the current (possibly partly taken)
 sequence, then finds how many whole sequences fit with a binary search over the prefix sums of the costs, then takes
@@ -27,6 +30,7 @@ from jax import lax
 from .formats import PAGE_SIZE
 
 FIXED_OVERHEAD_PAGES = 5  # config::kSchedFixedOverheadPages: per-chunk cost of epilogue / combine
+WHOLE_SEQUENCE_CANDIDATES = 2 * FIXED_OVERHEAD_PAGES + 1  # budgets ceil(total / P) + 0 .. 2F tried whole
 ROWS_PER_TILE = 64  # query rows per CTA (config::kRowsPerTile)
 SCHED_META_INTS = 8  # ints per partition (config::kSchedMetaInts)
 
@@ -77,7 +81,21 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
     # cost_prefix[i] = sum of (pages + F) over sequences < i; strictly increasing since every cost >= F.
     cost_prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(pages + f, dtype=jnp.int32)])
     total = cost_prefix[batch]
-    payload = lax.div(total, jnp.int32(parts)) + (lax.rem(total, jnp.int32(parts)) != 0).astype(jnp.int32) + f
+    lower = lax.div(total, jnp.int32(parts)) + (lax.rem(total, jnp.int32(parts)) != 0).astype(jnp.int32)
+
+    def fits_whole(budget):
+        """Whether taking whole sequences while they fit in `budget` places them all within the P partitions."""
+        def partition(cur, _):
+            limit = cost_prefix[cur] + budget
+            return jnp.searchsorted(cost_prefix, limit, side="right").astype(jnp.int32) - 1, None
+
+        done, _ = lax.scan(partition, jnp.int32(0), None, length=parts)
+        return done == batch
+
+    candidates = lower + jnp.arange(WHOLE_SEQUENCE_CANDIDATES, dtype=jnp.int32)
+    fits = jax.vmap(fits_whole)(candidates)
+    whole = fits.any()
+    payload = jnp.where(whole, candidates[jnp.argmax(fits)], lower + f)
 
     def partition(carry, _):
         cur, page0, split0 = carry  # first unfinished sequence, its pages / chunks given out already
@@ -98,7 +116,7 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
         remain = remain - (cost_prefix[last] - cost_prefix[nxt])
 
         # 3. A partial chunk of the first sequence that did not fit, if the overhead leaves budget.
-        take = (last < batch) & (remain > f)
+        take = (last < batch) & (remain > f) & ~whole
         page = jnp.where(finish_first, 0, page0) + jnp.where(take, remain - f, 0)
         split = jnp.where(finish_first, 0, split0) + take.astype(jnp.int32)
 
@@ -119,4 +137,5 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
     return meta.astype(jnp.int32), jnp.concatenate([jnp.zeros((1,), jnp.int32), num_splits])
 
 
-__all__ = ["num_sm_parts", "sched_meta_reference", "PAGE_SIZE", "FIXED_OVERHEAD_PAGES", "SCHED_META_INTS"]
+__all__ = ["num_sm_parts", "sched_meta_reference", "PAGE_SIZE", "FIXED_OVERHEAD_PAGES", "WHOLE_SEQUENCE_CANDIDATES",
+           "SCHED_META_INTS"]

@@ -28,13 +28,29 @@ def _pages(length: int) -> int:
     return -(-max(length, 0) // PAGE_SIZE)
 
 
+def spec_budget(lens, parts):
+    """docs/DESIGN.md's choice of budget: (payload, whether sequences may be split)."""
+    costs = [_pages(int(x)) + F for x in lens]
+    lower = -(-sum(costs) // parts)
+    for budget in range(lower, lower + 2 * F + 1):
+        used, remain = 0, 0
+        for cost in costs:
+            if cost > remain:  # the next partition starts with this sequence
+                used, remain = used + 1, budget
+            if cost > remain or used > parts:
+                break
+            remain -= cost
+        else:
+            return budget, False
+    return lower + F, True
+
+
 def spec_walk(lens, parts):
     """docs/DESIGN.md's pseudocode, line by line, in plain Python ints."""
     lens = [int(x) for x in lens]
     b = len(lens)
     pages = [_pages(x) for x in lens]
-    total = sum(p + F for p in pages)
-    payload = -(-total // parts) + F
+    payload, split_ok = spec_budget(lens, parts)
     meta = np.zeros((parts, SCHED_META_INTS), np.int64)
     num_splits = np.zeros(b + 1, np.int64)
     batch = page = split = cum = 0
@@ -50,7 +66,7 @@ def spec_walk(lens, parts):
                 batch += 1
                 page = split = 0
             else:
-                if remain > F:
+                if split_ok and remain > F:
                     page += remain - F
                     split += 1
                 break
@@ -67,7 +83,33 @@ def window_walk(lens, parts, window=32, chunk=4096):
     lens = [int(x) for x in lens]
     b = len(lens)
     total = sum(_pages(x) + F for x in lens)
-    payload = -(-total // parts) + F
+    lower = -(-total // parts)
+
+    # Whole-sequence candidates, one per warp: each walks the staged windows, opening a partition for the first
+    # sequence that does not fit the current one.
+    fit_budgets = []
+    for budget in range(lower, lower + 2 * F + 1):
+        part, remain, batch, is_open = 0, 0, 0, False
+        for chunk_begin in range(0, b, chunk):
+            chunk_end = min(b, chunk_begin + chunk)
+            while part < parts and batch < chunk_end:
+                if not is_open:
+                    is_open, remain = True, budget
+                seqs = list(range(batch, min(batch + window, chunk_end)))
+                prefix = np.cumsum([_pages(lens[q]) + F for q in seqs])
+                n = int(np.sum(prefix <= remain))
+                if n == 0 and remain == budget:  # a sequence longer than the budget: never fits
+                    part = parts
+                    break
+                if n:
+                    remain -= int(prefix[n - 1])
+                    batch += n
+                if n < len(seqs):
+                    is_open, part = False, part + 1
+        fit_budgets.append(batch == b)
+    whole = any(fit_budgets)
+    payload = lower + fit_budgets.index(True) if whole else lower + F
+
     meta = np.zeros((parts, SCHED_META_INTS), np.int64)
     num_splits = np.zeros(b + 1, np.int64)
     st = dict(part=0, open=False, begin=None, remain=0, batch=0, page=0, split=0, cum=0, last_len=0)
@@ -100,7 +142,7 @@ def window_walk(lens, parts, window=32, chunk=4096):
                 st["last_len"] = lens[seqs[fits - 1]]
                 st.update(cum=st["cum"] + st["split"] + fits, batch=st["batch"] + fits, page=0, split=0)
             if fits < len(seqs):
-                if st["remain"] > F:
+                if not whole and st["remain"] > F:
                     st.update(page=st["page"] + st["remain"] - F, split=st["split"] + 1)
                 close_part()
             elif st["batch"] == b:
@@ -122,8 +164,7 @@ def check_invariants(lens, parts, meta, num_splits):
     assert num_splits[0] == 0 and (np.diff(num_splits) >= 1).all()
     assert num_splits[b] <= b + parts, "partial buffers hold b + P splits"
 
-    total = sum(_pages(x) + F for x in lens)
-    payload = -(-total // parts) + F
+    payload, split_ok = spec_budget(lens, parts)
     chunks = [[] for _ in range(b)]  # per sequence: (partition, start, stop) in partition order
     seen_empty = False
     for p in range(parts):
@@ -149,6 +190,7 @@ def check_invariants(lens, parts, meta, num_splits):
         for (_, _, stop), (_, start, _) in zip(got, got[1:]):
             assert stop == start, f"sequence {i}: chunks {got} are not contiguous"
         assert len(got) == num_splits[i + 1] - num_splits[i], (i, got, num_splits[i:i + 2])
+        assert split_ok or len(got) == 1, f"sequence {i} is split in whole-sequence mode: {got}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,6 +300,47 @@ def test_single_long_sequence_splits_evenly():
     np.testing.assert_array_equal(splits, [0, 4])
     np.testing.assert_array_equal(meta[:, :5], [[0, 0, 0, 252 * 64, 0], [0, 252 * 64, 0, 504 * 64, 1],
                                                 [0, 504 * 64, 0, 756 * 64, 2], [0, 756 * 64, 0, 64000, 3]])
+
+
+def test_whole_sequences_when_they_cost_at_most_f_more():
+    """C1's batch (128 x 8192 tokens over 66 partitions): two whole sequences a partition (budget 266 against the
+    split schedule's 263 + F), so nothing is split and the combine has nothing to merge. C2's (33 partitions) would
+    need 532 > 521 + F: split as before, every partition but the last at most 521."""
+    lens = np.full(128, 8192, np.int32)
+    assert spec_budget(lens, 66) == (266, False)
+    meta, splits = (np.asarray(x) for x in sched_meta_reference(jnp.asarray(lens), 66))
+    np.testing.assert_array_equal(splits, np.arange(129))
+    np.testing.assert_array_equal(meta[:64, :5], [[2 * p, 0, 2 * p + 1, 8192, 0] for p in range(64)])
+    assert (meta[64:, 0] > meta[64:, 2]).all()
+    check_invariants(lens, 66, meta, splits)
+
+    assert spec_budget(lens, 33) == (521, True)
+    meta, splits = (np.asarray(x) for x in sched_meta_reference(jnp.asarray(lens), 33))
+    assert splits[-1] > 128
+    check_invariants(lens, 33, meta, splits)
+
+
+@pytest.mark.parametrize("b,parts", [(128, 66), (64, 66), (200, 132), (7, 3), (1000, 33), (33, 32)])
+def test_whole_sequence_budget_is_the_smallest(b, parts):
+    """The whole-sequence budget is the smallest that fits; one page less would need more than P partitions."""
+    rng = np.random.default_rng(b * 1000 + parts)
+    for trial in range(40):
+        base = int(rng.integers(1, 20000))
+        lens = (base + rng.integers(-64 * trial, 64 * trial + 1, b)).clip(0).astype(np.int32)
+        budget, split_ok = spec_budget(lens, parts)
+        costs = [_pages(int(x)) + F for x in lens]
+        lower = -(-sum(costs) // parts)
+        if split_ok:
+            assert budget == lower + F
+            continue
+        assert lower <= budget <= lower + 2 * F
+        if budget > lower:
+            used, remain = 0, 0
+            for cost in costs:
+                if cost > remain:
+                    used, remain = used + 1, budget - 1
+                remain -= cost
+            assert used > parts or max(costs) > budget - 1, (budget, lens)
 
 
 def test_batch_zero():

@@ -5,7 +5,9 @@
 // partition starts depends on where the previous one stopped), so it runs in
 // one warp; the other warps only reduce the total cost and stage sequence
 // lengths into shared memory, kChunk at a time, so any batch size works with a
-// fixed shared-memory footprint.
+// fixed shared-memory footprint. Before it, warp w tests the whole-sequence
+// budget ceil(total / P) + w (w = 0 .. 2F): the smallest that fits becomes the
+// payload and the walk splits no sequence (DESIGN.md).
 //
 // Instead of visiting one sequence per step as the pseudocode does, the warp
 // looks at a window of 32 sequences: lane j holds the cost (pages + F) of
@@ -26,10 +28,11 @@
 namespace jax_flash_mla {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 4096;  // sequence lengths staged in shared memory per pass (16 KiB)
 constexpr int kF = config::kSchedFixedOverheadPages;
+constexpr int kCandidates = 2 * kF + 1;  // whole-sequence budgets ceil(total / P) + 0 .. 2F, one per warp
+constexpr int kWarps = kCandidates + 1;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunk = 4096;  // sequence lengths staged in shared memory per pass (16 KiB)
 constexpr int kPage = config::kPageSize;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -86,11 +89,54 @@ __device__ __forceinline__ void close_partition(WalkState& s, SchedMeta* meta, i
   ++s.part;
 }
 
+// One warp's test of a whole-sequence budget: partitions take whole sequences
+// while they fit; the first that does not opens the next partition.
+struct FitState {
+  int part;     // partition being filled
+  bool open;
+  int remain;   // budget left in `part`
+  int batch;    // first sequence not placed
+};
+
+// Advances a FitState through the sequences staged for [chunk_begin, chunk_end).
+// The budget fits iff batch reaches params.batch before part reaches P.
+__device__ void fit_whole_chunk(FitState& s, const int* s_len, int chunk_begin, int chunk_end, int budget,
+                                int parts, int lane) {
+  while (s.part < parts && s.batch < chunk_end) {
+    if (!s.open) {
+      s.open = true;
+      s.remain = budget;
+    }
+    const int seq = s.batch + lane;
+    const bool valid = seq < chunk_end;
+    int prefix = valid ? pages_of(s_len[seq - chunk_begin]) + kF : 0;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(kFullMask, prefix, offset);
+      if (lane >= offset) prefix += other;
+    }
+    const int fits = __popc(__ballot_sync(kFullMask, valid && prefix <= s.remain));
+    const int window = min(32, chunk_end - s.batch);
+    if (fits == 0 && s.remain == budget) {  // one sequence costs more than the budget
+      s.part = parts;
+      return;
+    }
+    if (fits > 0) {
+      s.remain -= __shfl_sync(kFullMask, prefix, fits - 1);
+      s.batch += fits;
+    }
+    if (fits < window) {
+      s.open = false;
+      ++s.part;
+    }
+  }
+}
+
 // Warp 0: advances the walk through the sequences staged for [chunk_begin,
 // chunk_end), stopping when the chunk is used up (the partition stays open) or
 // every partition is closed.
 __device__ void walk_chunk(WalkState& s, const int* s_len, int chunk_begin, int chunk_end, int payload,
-                           const SchedMetaParams& params, int lane) {
+                           bool split_ok, const SchedMetaParams& params, int lane) {
   while (s.part < params.num_sm_parts && s.batch < chunk_end) {
     if (!s.open) open_partition(s, payload);
 
@@ -121,7 +167,7 @@ __device__ void walk_chunk(WalkState& s, const int* s_len, int chunk_begin, int 
     }
     if (fits < window) {
       // Sequence s.batch does not fit: take part of it if the overhead leaves any budget.
-      if (s.remain > kF) {
+      if (split_ok && s.remain > kF) {
         s.page += s.remain - kF;
         ++s.split;
       }
@@ -136,6 +182,7 @@ __device__ void walk_chunk(WalkState& s, const int* s_len, int chunk_begin, int 
 __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams params) {
   __shared__ int s_len[kChunk];
   __shared__ unsigned s_warp_total[kWarps];
+  __shared__ bool s_fits[kCandidates];
 
   const int batch = params.batch;
   const int lane = threadIdx.x % 32;
@@ -156,9 +203,37 @@ __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams
   for (int w = 0; w < kWarps; ++w) total_u += s_warp_total[w];
   const int total = static_cast<int>(total_u);
   const int parts = params.num_sm_parts;
-  // ceil(total / P) + F, as truncating division plus remainder test (the twin does the same).
-  const int payload = total / parts + (total % parts != 0 ? 1 : 0) + kF;
+  // ceil(total / P), as truncating division plus remainder test (the twin does the same).
+  const int lower = total / parts + (total % parts != 0 ? 1 : 0);
 
+  // Sequence lengths [chunk_begin, chunk_end) into s_len, after every warp is done with the previous chunk.
+  auto stage = [&](int chunk_begin, int chunk_end) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < chunk_end - chunk_begin; i += kThreads) {
+      s_len[i] = params.cache_seqlens[chunk_begin + i];
+    }
+    __syncthreads();
+  };
+
+  // Pass 1: warp w < kCandidates tests the whole-sequence budget lower + w.
+  FitState fit{};
+  for (int chunk_begin = 0; chunk_begin < batch; chunk_begin += kChunk) {
+    const int chunk_end = min(batch, chunk_begin + kChunk);
+    stage(chunk_begin, chunk_end);
+    if (warp < kCandidates) fit_whole_chunk(fit, s_len, chunk_begin, chunk_end, lower + warp, parts, lane);
+  }
+  if (warp < kCandidates && lane == 0) s_fits[warp] = fit.batch == batch;
+  __syncthreads();
+  int payload = lower + kF;  // split schedule
+  bool split_ok = true;
+  for (int w = kCandidates - 1; w >= 0; --w) {
+    if (s_fits[w]) {
+      payload = lower + w;
+      split_ok = false;
+    }
+  }
+
+  // Pass 2: the walk (the lengths of a batch of one chunk are still staged).
   WalkState s{};
   s.part = 0;
   s.open = false;
@@ -166,12 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams
 
   for (int chunk_begin = 0; chunk_begin < batch; chunk_begin += kChunk) {
     const int chunk_end = min(batch, chunk_begin + kChunk);
-    __syncthreads();  // warp 0 is done with the previous chunk
-    for (int i = threadIdx.x; i < chunk_end - chunk_begin; i += kThreads) {
-      s_len[i] = params.cache_seqlens[chunk_begin + i];
-    }
-    __syncthreads();
-    if (warp == 0) walk_chunk(s, s_len, chunk_begin, chunk_end, payload, params, lane);
+    if (batch > kChunk) stage(chunk_begin, chunk_end);
+    if (warp == 0) walk_chunk(s, s_len, chunk_begin, chunk_end, payload, split_ok, params, lane);
   }
 
   // Partitions left once every sequence is finished are empty: they begin at
