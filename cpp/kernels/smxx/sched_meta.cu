@@ -45,6 +45,17 @@ __device__ __forceinline__ int pages_of(int len) {
   return (l >> 6) + ((l & 63) != 0 ? 1 : 0);
 }
 
+// Inclusive scan of one value per lane: the cost of finishing the window's
+// sequences up to this lane's.
+__device__ __forceinline__ int window_prefix_sum(int x, int lane) {
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = __shfl_up_sync(kFullMask, x, offset);
+    if (lane >= offset) x += other;
+  }
+  return x;
+}
+
 // The walk's position, identical in every lane of warp 0.
 struct WalkState {
   int part;        // partition being filled
@@ -109,12 +120,7 @@ __device__ void fit_whole_chunk(FitState& s, const int* s_len, int chunk_begin, 
     }
     const int seq = s.batch + lane;
     const bool valid = seq < chunk_end;
-    int prefix = valid ? pages_of(s_len[seq - chunk_begin]) + kF : 0;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int other = __shfl_up_sync(kFullMask, prefix, offset);
-      if (lane >= offset) prefix += other;
-    }
+    const int prefix = window_prefix_sum(valid ? pages_of(s_len[seq - chunk_begin]) + kF : 0, lane);
     const int fits = __popc(__ballot_sync(kFullMask, valid && prefix <= s.remain));
     const int window = min(32, chunk_end - s.batch);
     if (fits == 0 && s.remain == budget) {  // one sequence costs more than the budget
@@ -147,12 +153,7 @@ __device__ void walk_chunk(WalkState& s, const int* s_len, int chunk_begin, int 
       len = s_len[seq - chunk_begin];
       cost = pages_of(len) - (lane == 0 ? s.page : 0) + kF;
     }
-    int prefix = cost;  // inclusive scan over the window
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int other = __shfl_up_sync(kFullMask, prefix, offset);
-      if (lane >= offset) prefix += other;
-    }
+    const int prefix = window_prefix_sum(cost, lane);
     const int fits = __popc(__ballot_sync(kFullMask, valid && prefix <= s.remain));
     const int window = min(32, chunk_end - s.batch);
 
