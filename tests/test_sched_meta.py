@@ -305,7 +305,7 @@ def test_single_long_sequence_splits_evenly():
 def test_whole_sequences_when_they_cost_at_most_f_more():
     """C1's batch (128 x 8192 tokens over 66 partitions): two whole sequences a partition (budget 266 against the
     split schedule's 263 + F), so nothing is split and the combine has nothing to merge. C2's (33 partitions) would
-    need 532 > 521 + F: split as before, every partition but the last at most 521."""
+    need 532 > 521 + F: split as before, every partition at most 521 (check_invariants)."""
     lens = np.full(128, 8192, np.int32)
     assert spec_budget(lens, 66) == (266, False)
     meta, splits = (np.asarray(x) for x in sched_meta_reference(jnp.asarray(lens), 66))
