@@ -28,19 +28,24 @@ def _pages(length: int) -> int:
     return -(-max(length, 0) // PAGE_SIZE)
 
 
+def fits_whole(costs, parts, budget):
+    """Whether taking whole sequences in order while they fit in `budget` places all of them within `parts`."""
+    used, remain = 0, 0
+    for cost in costs:
+        if cost > remain:  # the next partition starts with this sequence
+            used, remain = used + 1, budget
+        if cost > remain or used > parts:
+            return False
+        remain -= cost
+    return True
+
+
 def spec_budget(lens, parts):
     """docs/DESIGN.md's choice of budget: (payload, whether sequences may be split)."""
     costs = [_pages(int(x)) + F for x in lens]
     lower = -(-sum(costs) // parts)
     for budget in range(lower, lower + 2 * F + 1):
-        used, remain = 0, 0
-        for cost in costs:
-            if cost > remain:  # the next partition starts with this sequence
-                used, remain = used + 1, budget
-            if cost > remain or used > parts:
-                break
-            remain -= cost
-        else:
+        if fits_whole(costs, parts, budget):
             return budget, False
     return lower + F, True
 
@@ -334,13 +339,8 @@ def test_whole_sequence_budget_is_the_smallest(b, parts):
             assert budget == lower + F
             continue
         assert lower <= budget <= lower + 2 * F
-        if budget > lower:
-            used, remain = 0, 0
-            for cost in costs:
-                if cost > remain:
-                    used, remain = used + 1, budget - 1
-                remain -= cost
-            assert used > parts or max(costs) > budget - 1, (budget, lens)
+        assert fits_whole(costs, parts, budget)
+        assert budget == lower or not fits_whole(costs, parts, budget - 1), (budget, lens)
 
 
 def test_batch_zero():

@@ -68,8 +68,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const SplitKvArgs&
   uint32_t tma_row = 0;
   if constexpr (kQByTmaCapable) {
     by_tma = args.q_by_tma;
-    tma_row = smem_addr(Tr::q_tma_destination(plan)) + uint32_t(row * 128);
+    tma_row = smem_addr(Tr::q_tma_destination(plan)) + uint32_t(row * q_tma_row_bytes());
   }
+  constexpr int kTmaSlab = q_tma_slab_bytes();
   const int tma_sw = row & 7;
   if (by_tma) {
     if constexpr (kQByTmaCapable) mbarrier_wait(&plan.q_full, chunk & 1);
@@ -91,8 +92,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const SplitKvArgs&
   auto piece = [&](int i) {  // NoPE pieces 0..15, then RoPE pieces 16, 17 (zeros for an invalid row)
     if constexpr (kStaged) {
       const uint32_t tma_addr =
-          i < kPieces ? tma_row + uint32_t((2 * g + i / 8) * 8192 + (((i % 8) ^ tma_sw) << 4))
-                      : tma_row + uint32_t(8 * 8192 + (((2 * g + i - kPieces) ^ tma_sw) << 4));
+          i < kPieces ? tma_row + uint32_t((2 * g + i / 8) * kTmaSlab + (((i % 8) ^ tma_sw) << 4))
+                      : tma_row + uint32_t(8 * kTmaSlab + (((2 * g + i - kPieces) ^ tma_sw) << 4));
       uint4 x;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)

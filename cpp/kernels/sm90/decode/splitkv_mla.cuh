@@ -213,10 +213,14 @@ struct SplitKvMlaKernel {
   // of SmemLayoutQ, the K page's layout; fp8_ds_mla: raw bf16 q for
   // load_q_ds). Rows past q_rows_per_head_k lie past q's query-token extent:
   // zero-filled.
+  // A row of one box (64 channels of q's element type) and a slab (64 rows).
+  __host__ __device__ static constexpr int q_tma_row_bytes() {
+    return decode_cfg::kTmaBoxChannels * int(sizeof(typename Traits<kFormat>::QTmaElement));
+  }
+  __host__ __device__ static constexpr int q_tma_slab_bytes() { return kBlockM * q_tma_row_bytes(); }
   __device__ static void load_q_tma(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
                                     int chunk) {
-    using QElement = typename Traits<kFormat>::QTmaElement;
-    constexpr int kSlabBytes = kBlockM * decode_cfg::kTmaBoxChannels * int(sizeof(QElement));
+    constexpr int kSlabBytes = q_tma_slab_bytes();
     const int row0 = m_block * kBlockM;
     const int heads = args.params.heads_per_head_k;
     char* dst = Tr::q_tma_destination(plan);
