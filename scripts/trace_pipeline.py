@@ -232,17 +232,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", help="also write the raw stamps and clocks to this .npz")
-    ap.add_argument("--layout", choices=("format", "pairs"), default="format",
-                    help="pairs: read the stamps as page pairs whatever the format")
     args = ap.parse_args(argv)
     raw, shape = run_decode(args)
     stamps, clocks = unpack(raw, shape)
     if args.save:
         np.savez_compressed(args.save, stamps=stamps, clocks=clocks, format=args.format)
     print(f"SM clock {ghz(clocks):.3f} GHz (clock64 against globaltimer over the traced CTAs)")
-    kind = "fp8_per_tensor" if args.layout == "pairs" else args.format  # the layout the stamps follow
-    _, pages_per_period = rows_for(kind)
-    print_report(layout(stamps, clocks, kind), args.format, pages_per_period)
+    _, pages_per_period = rows_for(args.format)
+    print_report(layout(stamps, clocks, args.format), args.format, pages_per_period)
     print_chunks(*chunk_boundaries(stamps, clocks))
     print_epilogue(epilogue_phases(stamps, clocks))
     return 0

@@ -206,41 +206,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::ds_page_scale_max(uint32_t s
   }
 }
 
-// k_scale[t, g] (times a factor) of one group for the 16 tokens a thread
-// holds in an m64n64 fragment: value v is token 8 (v / 4) + 2 (lane % 4) +
-// v % 2, so token pair v / 4 is one 8-byte word of the scale table.
-struct TokenScales {
-  float2 pair[8];
-  __device__ __forceinline__ float operator()(int v) const { return v % 2 ? pair[v / 4].y : pair[v / 4].x; }
-  __device__ __forceinline__ void scale_by(float f) {
-    CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) pair[j] = make_float2(pair[j].x * f, pair[j].y * f);
-  }
-};
-
-// Page pairs, as consumer() (consumer_pairs.cuh): WG0 computes S and the
-// softmax of page A, WG1 those of page B; each WG accumulates both pages into
-// its two output groups (2 wg, 2 wg + 1) of O. The running row max AND the
-// group normalizers N_g are chained through shared memory: WG0 publishes
-// m_A and N_A = max(N, n_A) with P_A (kPageAReady), WG1 m_B and N_B with P_B
-// (kPageBReady), so both pages' P_g of a pair share one reference after each
-// WG's rescale of O:
-//   O_g = (O_g f_A + P_A,g V_A,g) f_B + P_B,g V_B,g,  f = e^(m_old - m_new) N_old / N_new
-// Per pair:
-//   WG0: S_A (V^T_A,L in its WGMMA gaps) -> softmax A, P_A,0..3, m_A, N_A
-//        [kPageAReady] -> P_A V_A,L -> V^T_B,L -> [kPageBReady] -> P_B V_B,L
-//   WG1: S_B (V^T_A,R and V^T_B,R in its gaps) -> row max of B
-//        [kPageAReady] -> P_A V_A,R -> softmax B, P_B,0..3, m_B, N_B
-//        (a register copy of S_B: see consumer()) -> [kPageBReady] -> P_B V_B,R
-// The S of a page is a chain: RoPE into S and T_0 into T, then for each
-// group S += k_scale[t, g] T_g once T_g retired, T_{g+1} issued behind it.
-// One T accumulator (two would not fit next to O, S and the copy): the
-// chain's gaps take this WG's V^T transposes, and the other WG's WGMMAs keep
-// the tensor cores busy. Each WG tabulates its page's token scales by group
-// in shared memory first (scale_table), so that the promotion and P read a
-// thread's token pairs as 8-byte words.
-// Every consumer warp reads every page (its S or its V^T half): a slot goes
-// back when all eight warps arrived on k_empty.
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArgs& args, Plan& plan,
                                                                const SchedMeta& meta, int head_k, int m_block, int wg,
@@ -248,6 +213,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   using namespace cute;
   using Rope = typename Tr::ElementRope;
   constexpr int kGroups = Tr::kNumGroups;
+  constexpr int kNPerWG = decode_cfg::kBlockNPerWG;
   const DecodeParams& p = args.params;
   typename Tr::TiledMmaQKRope mma_rope;
   typename Tr::TiledMmaQKNope mma_nope;
@@ -257,8 +223,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   auto thr_pv = mma_pv.get_thread_slice(tid);
   const int ctid = wg * 128 + tid;
   const int lane = tid % 32;
-  const int warp = tid / 32;  // within the WG
-  const float scale_log2 = p.softmax_scale_log2;
 
   // Q operand descriptors, rebuilt per page from a pointer the compiler
   // cannot see through: hoisted out of the page loop, the twenty 64-bit
@@ -272,349 +236,245 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     return cute::make_tuple(thr_nope.partition_fragment_A(sQ),   // (MMA, 1, 16) descriptors
                             thr_rope.partition_fragment_A(sQR));  // (MMA, 1, 4)
   };
-  Tensor tSrS = partition_fragment_C(mma_rope, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tSrT = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tScS = thr_rope.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tSrS = partition_fragment_C(mma_rope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+  // Two NoPE group accumulators: group g+1 (or g+2) runs while g is promoted.
+  Tensor tSrT0 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+  Tensor tSrT1 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
+  Tensor tScS = thr_rope.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNPerWG>>{}));
   // O: this WG's two output groups (2 wg, 2 wg + 1) of 128 channels,
   // (MMA, 1, 2); block j is group 2 wg + j.
   constexpr int kPVBlocks = decode_cfg::kHeadDimVPerWG / Tr::kGroupChannels;  // 2
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
-  static_assert(size(tSrS) == kBlockN / 2, "two rows x N/4 columns per thread");
-  static_assert(size(tSrT) == size(tSrS), "QK accumulators share the m64n64 layout");
+  static_assert(size(tSrS) == kNPerWG / 2, "two rows x N/4 columns per thread");
+  static_assert(size(tSrT0) == size(tSrS), "QK accumulators share the m64n32 layout");
   static_assert(decltype(size<2>(tOrO))::value == kPVBlocks, "one WGMMA block per output group");
   const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
+  // Value v of an m64n32 fragment is column 8 (v / 4) + 2 (lane % 4) + v % 2
+  // of the WG's 32 tokens; offsets from this thread's first token locate its
+  // 8 tokens' scale rows.
+  const int tok_first = wg * kNPerWG + int(get<1>(tScS(0)));  // within the page
+  // The 8 tokens among them: value v is token j = 2 (v / 4) + v % 2 of the
+  // thread, at offset 8 (j / 2) + j % 2 from tok_first.
+  auto token_of = [](int v) { return 2 * (v / 4) + v % 2; };
+  auto token_offset = [](int j) { return 8 * (j / 2) + j % 2; };
 
-  auto stage_of = [](int i) { return i % Tr::kNumStages; };
-  auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
-  auto release = [&](int i) { release_slot(plan, stage_of(i), lane); };
   auto k_nope = [&](int stage) {
     Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
-    return thr_nope.partition_fragment_B(sK);  // (MMA, 1, 16)
+    return thr_nope.partition_fragment_B(
+        local_tile(sK, Shape<Int<kNPerWG>, Int<Tr::kHeadDimNope>>{}, make_coord(wg, 0)));  // (MMA, 1, 16)
   };
   auto k_rope = [&](int stage) {
     Rope* base = reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeOffset);
     Tensor sKR = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutKRope{});
-    return thr_rope.partition_fragment_B(sKR);  // (MMA, 1, 4)
+    return thr_rope.partition_fragment_B(
+        local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
   };
 
-  // The page's token scales by group into this WG's scale_table, 0 for tokens
-  // past the chunk (slots there may hold NaN, and P would compute 0 * NaN);
-  // n_g, the page's largest scale per group. Every warp reads all 64 tokens
-  // (two per lane) and reduces n_g itself (REDUX: positive floats order as
-  // their bit patterns; negative or NaN scales, which the quantizer never
-  // writes, count as 0, and a group without any gets 1); warp w writes
-  // group w's row.
-  auto tabulate_scales = [&](int i, int valid, float (&n)[kGroups]) {
-    const uint32_t slot = smem_addr(plan.k[stage_of(i)]);
-    const float4 s0 = ds_token_scales(slot, 2 * lane, valid);
-    const float4 s1 = ds_token_scales(slot, 2 * lane + 1, valid);
-    const float mine[kGroups][2] = {{s0.x, s1.x}, {s0.y, s1.y}, {s0.z, s1.z}, {s0.w, s1.w}};
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      auto bits = [](float x) { return x > 0.f ? __float_as_uint(x) : 0u; };
-      const uint32_t m = __reduce_max_sync(0xffffffffu, max(bits(mine[g][0]), bits(mine[g][1])));
-      n[g] = m != 0u ? __uint_as_float(m) : 1.f;
-    }
-    const float2 row = warp == 0 ? make_float2(s0.x, s1.x)
-                       : warp == 1 ? make_float2(s0.y, s1.y)
-                       : warp == 2 ? make_float2(s0.z, s1.z)
-                                   : make_float2(s0.w, s1.w);
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem_addr(&plan.scale_table[wg][warp][2 * lane])),
-                 "f"(row.x), "f"(row.y)
-                 : "memory");
-    named_barrier_sync(NamedBarriers(int(NamedBarriers::kScalesReady0) + wg), 128);
-  };
-  // k_scale[t, g] of this thread's 16 tokens (TokenScales).
-  auto load_group_scales = [&](int g) {
-    TokenScales k;
-    const uint32_t base = smem_addr(&plan.scale_table[wg][g][2 * (lane % 4)]);
-    CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) {
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(k.pair[j].x), "=f"(k.pair[j].y) : "r"(base + 32 * j)
-                   : "memory");
-    }
-    return k;
-  };
-
-  // S of page i, owned by this WG: the chain described above, in steps that
-  // the caller interleaves with its V^T transposes. s_begin waits for the
-  // slot, issues RoPE into S and T_0 into T, and tabulates the scales;
-  // s_group(i, g) (g = 0..3) waits for T_g, promotes it into S and issues
-  // T_{g+1}.
+  // The head of page i's S: RoPE into S and NoPE group 0 into T0, one batch.
+  // Issued for the next page right after this page's S is complete, so these
+  // WGMMAs run under this page's softmax and P stores. (Group 1 into T1 as
+  // well made ptxas spill: T1 would be live next to the cached token scales,
+  // 84 B in session 6, 128 B with them cached in session 7.)
   constexpr int kGroupSteps = Tr::kGroupChannels / 32;
-  auto s_begin = [&](int i, int valid, float (&n)[kGroups]) __attribute__((always_inline)) {
-    const int st = stage_of(i);
-    stamp(args, wg, i, event_trace::kSWaitStart);
-    mbarrier_wait(&plan.k_full[st], phase_of(i));
-    stamp(args, wg, i, event_trace::kSLeftLanded);
+  auto issue_s_head = [&](int i) __attribute__((always_inline)) {
+    const int st = i % Tr::kNumStages;
+    stamp(args, wg, i, event_trace::kDsSlotWait);
+    mbarrier_wait(&plan.k_full[st], (i / Tr::kNumStages) & 1);
+    stamp(args, wg, i, event_trace::kDsSlotLanded);
     Tensor tSrKN = k_nope(st);
     Tensor tSrKR = k_rope(st);
     auto q_ops = q_operands();
     warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrT);
+    warpgroup_fence_operand(tSrT0);
     warpgroup_arrive();
     wgmma_k_steps(mma_rope, cute::get<1>(q_ops), tSrKR, tSrS, false);
-    wgmma_k_steps<kGroupSteps>(mma_nope, cute::get<0>(q_ops), tSrKN, tSrT, false);
-    warpgroup_commit_batch();
-    tabulate_scales(i, valid, n);
-  };
-  auto s_group = [&](int i, int g) __attribute__((always_inline)) {
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrT);
-    const TokenScales k = load_group_scales(g);
-    CUTE_UNROLL
-    for (int v = 0; v < size(tSrS); ++v) tSrS(v) = fmaf(k(v), tSrT(v), tSrS(v));
-    if (g + 1 < kGroups) {
-      wgmma_batch<kGroupSteps>(mma_nope, cute::get<0>(q_operands()), k_nope(stage_of(i)), tSrT, false,
-                               (g + 1) * kGroupSteps);
-    } else {
-      warpgroup_fence_operand(tSrS);
-    }
-  };
-  // Scores in q.k units: times q's row scale (into `out`, which may be S).
-  auto apply_q_scale = [&](const auto& s, auto& out) {
-    const float qs[2] = {plan.q_scale[rows[0]], plan.q_scale[rows[1]]};
-    CUTE_UNROLL
-    for (int v = 0; v < size(s); ++v) out(v) = s(v) * qs[fragment_row_half(v)];
-  };
-
-  // N_g = max(N_g, n_g); shrink_g = N_old / N_new (0 before the chunk's
-  // first page, where O is not read). One division per group and page.
-  auto grow_norm = [](float (&norm)[kGroups], const float (&n)[kGroups], float (&shrink)[kGroups]) {
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      const float grown = fmaxf(norm[g], n[g]);
-      shrink[g] = __fdividef(norm[g], grown);
-      norm[g] = grown;
-    }
-  };
-  auto adopt_norm = [](float (&norm)[kGroups], const float* ref, float (&shrink)[kGroups]) {
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      const float now = ref[g];
-      shrink[g] = __fdividef(norm[g], now);
-      norm[g] = now;
-    }
-  };
-  auto publish = [&](const OnlineSoftmaxState& softmax, const float (&norm)[kGroups], int role) {
-    if ((lane & 3) == 0) {
-      plan.ref_max[role][rows[0]] = softmax.max[0];
-      plan.ref_max[role][rows[1]] = softmax.max[1];
-    }
-    if (tid == 0) *reinterpret_cast<float4*>(plan.ref_norm[role]) = make_float4(norm[0], norm[1], norm[2], norm[3]);
-  };
-  auto adopt_max = [&](OnlineSoftmaxState& softmax, int role, float (&factor)[2]) {
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const float m = plan.ref_max[role][rows[h]];
-      factor[h] = m == -INFINITY ? 1.f : exp2_ftz((softmax.max[h] - m) * scale_log2);
-      softmax.max[h] = m;
-      softmax.sum[h] *= factor[h];
-    }
-  };
-  // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) of this WG's page, all four groups.
-  auto store_p_groups = [&](const decltype(tSrS)& tP, int role, const float (&norm)[kGroups]) {
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      // (Not a generic lambda, nor one capturing the scales: both made cudafe++ crash.)
-      TokenScales k = load_group_scales(g);
-      k.scale_by(Tr::kPNormalizer * rcp_ftz(norm[g]));  // exact: N_g is a power of two
-      store_p_e4m3<Tr, kBlockN / 16>(smem_addr(plan.p[role][g]), warp, lane, tP, k, 0);
-    }
-  };
-  // O_g *= factor(row) * shrink_g for this WG's groups (no WGMMA reads O here);
-  // skipped when nothing moved, as on most pages.
-  auto rescale_o = [&](const float (&factor)[2], const float (&shrink)[kGroups], bool accumulate) {
-    CUTE_UNROLL
-    for (int j = 0; j < kPVBlocks; ++j) {
-      const float sh = wg == 0 ? shrink[j] : shrink[2 + j];  // group 2 wg + j, without dynamic indexing
-      if (accumulate && (factor[0] != 1.f || factor[1] != 1.f || sh != 1.f)) {
-        const float f[2] = {factor[0] * sh, factor[1] * sh};
-        Tensor tOrOj = tOrO(_, _, j);
-        CUTE_UNROLL
-        for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f[fragment_row_half(v)];
-      }
-    }
-  };
-  // O_g (+)= P_g V_g of page role `role` (0: A, 1: B) for this WG's two groups.
-  auto issue_pv = [&](int role, bool accumulate) __attribute__((always_inline)) {
-    warpgroup_fence_operand(tOrO);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int j = 0; j < kPVBlocks; ++j) {
-      Tensor sP = make_tensor(make_smem_ptr(plan.p[role][2 * wg + j]), typename Tr::SmemLayoutP{});
-      Tensor sV = make_tensor(make_smem_ptr(plan.vt[role]), typename Tr::SmemLayoutV{});
-      Tensor tOrOj_mn = tOrO(_, _, j);  // (MMA, 1) -> (MMA, 1, 1), the rank gemm() expects of C
-      Tensor tOrOj = make_tensor(tOrOj_mn.data(), append<3>(tOrOj_mn.layout(), Layout<_1, _0>{}));
-      wgmma_k_steps(mma_pv, thr_pv.partition_fragment_A(sP),
-                    thr_pv.partition_fragment_B(local_tile(
-                        sV, Shape<Int<Tr::kGroupChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0))),
-                    tOrOj, accumulate);
-    }
+    wgmma_k_steps<kGroupSteps>(mma_nope, cute::get<0>(q_ops), tSrKN, tSrT0, false);
     warpgroup_commit_batch();
   };
 
-  int it = 0;  // pages consumed by this CTA, across chunks (ring position)
-  struct PagePair {
-    bool has_b;
-    int ia, ib;
-  };
-  auto take_pair = [&](int page, int page_end) {
-    const PagePair pair{page + 1 < page_end, it, it + 1};
-    it += pair.has_b ? 2 : 1;
-    return pair;
-  };
   // begin_split_idx is re-read from global memory at the epilogue: held in a
   // register for the whole CTA it was the last value ptxas spilled.
   SchedMeta walk = meta;
   walk.begin_split_idx = 0;
-  for (int b = walk.begin_batch; b <= walk.end_batch; ++b) {
-    const Chunk c = make_chunk(p, walk, b);
+  int it = 0;
+  for_each_chunk(p, walk, [&](const Chunk& c) {
     stamp(args, wg, it, event_trace::kChunkStart);
-    load_q_ds(args, plan, c.batch, head_k, m_block, ctid, b - walk.begin_batch);
+    load_q_ds(args, plan, c.batch, head_k, m_block, ctid, c.batch - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
-
-    int limit[2];
-    const int min_limit = visible_limits(p, c, c.seqlen, m_block, rows, limit);
-    auto mask = [&](auto& tS, int page) {
-      if (page * kBlockN + kBlockN > min_limit) mask_invisible(tS, tScS, page * kBlockN, limit);
-    };
+    if (c.first_page() < c.end_page()) issue_s_head(it);
 
     OnlineSoftmaxState softmax;
     softmax.reset();
-    // Running N_g: the largest k_scale[., g] of the chunk's tokens so far. O_g
-    // holds (true O_g) * kPNormalizer / N_g.
+    // O is written (not accumulated) at the chunk's first page.
+    // Running per-group normalizer N_g: the largest k_scale[., g] of the
+    // chunk's tokens so far. O_g holds (true O_g) * kPNormalizer / N_g.
     float norm[kGroups] = {0.f, 0.f, 0.f, 0.f};
-    // O is written (not accumulated) by the chunk's first P V.
-    bool accumulate = false;
-    const int page_begin = c.first_page(), page_end = c.end_page();
 
-    // One pair loop per warpgroup (see consumer()).
-    if (wg == 0) {
-      for (int page = page_begin; page < page_end; page += 2) {
-        const PagePair pair = take_pair(page, page_end);  // (no structured binding: the lambdas below capture)
-        const bool has_b = pair.has_b;
-        const int ia = pair.ia, ib = pair.ib;
-        stamp(args, 0, ia, event_trace::kPairTop);
-        // ---------------------------------------------------- WG0: page A
-        const int valid_a = c.end_token - page * kBlockN;
-        float n[kGroups], factor[2], shrink[kGroups];
-        {
-          Element* slot = plan.k[stage_of(ia)];
-          s_begin(ia, valid_a, n);
-          transpose_v<Tr>(slot, plan.vt[0], plan.zeros, 0, tid, valid_a);
-          s_group(ia, 0);
-          s_group(ia, 1);
-          s_group(ia, 2);
-          s_group(ia, 3);
-        }
-        stamp(args, 0, ia, event_trace::kPairSRetired);
-        release(ia);  // WG0's reads of slot A: S_A, V^T_A,L and the scales
-        apply_q_scale(tSrS, tSrS);
-        mask(tSrS, page);
-        float page_max[2];
-        row_max(tSrS, page_max);
-        softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
-        grow_norm(norm, n, shrink);
-        publish(softmax, norm, 0);
-        store_p_groups(tSrS, 0, norm);
-        stamp(args, 0, ia, event_trace::kPairStored);
-        fence_proxy_async_smem();
-        named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
-        stamp(args, 0, ia, event_trace::kPairAReady);
-        rescale_o(factor, shrink, accumulate);
-        issue_pv(0, accumulate);
-        accumulate = true;
-        if (has_b) {
-          // ------------------------------------------ WG0: page B's left half
-          const int valid_b = c.end_token - (page + 1) * kBlockN;
-          mbarrier_wait(&plan.k_full[stage_of(ib)], phase_of(ib));
-          transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, valid_b);
-          stamp(args, 0, ib, event_trace::kPairStored);
-          fence_proxy_async_smem();
-          release(ib);  // V^T_B,L was WG0's only read of slot B
-          named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
-          stamp(args, 0, ia, event_trace::kPairBReady);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 0, ia, event_trace::kPairPvRetired);
-          adopt_max(softmax, 1, factor);
-          adopt_norm(norm, plan.ref_norm[1], shrink);
-          rescale_o(factor, shrink, true);
-          issue_pv(1, true);
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        stamp(args, 0, ia, event_trace::kPairEnd);
+    const int page_begin = c.first_page();
+    const int page_end = c.end_page();
+    for (int page = page_begin; page < page_end; ++page, ++it) {
+      stamp(args, wg, it, event_trace::kDsTop);
+      const int stage = it % Tr::kNumStages;
+      const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
+      // (The slot's k_full was waited for by issue_s_head.)
+      const uint32_t slot = smem_addr(plan.k[stage]);
+      const uint32_t my_scales = ds_scale_addr(slot, tok_first);
+      // The transpose while this page's S head (RoPE, group 0) and the last
+      // page's P V are in flight.
+      transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
+      stamp(args, wg, it, event_trace::kDsTransposed);
+      // All retired here: a wait_group 1 over batches carried around the page
+      // loop makes ptxas serialize every WGMMA (C7514).
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrT0);
+      warpgroup_fence_operand(tSrT1);
+      stamp(args, wg, it, event_trace::kDsHeadRetired);
+      Tensor tSrKN = k_nope(stage);
+      auto issue_group = [&](auto& T, int g) {
+        wgmma_batch<kGroupSteps>(mma_nope, cute::get<0>(q_operands()), tSrKN, T, false, g * kGroupSteps);
+      };
+      issue_group(tSrT1, 1);  // under the scale loads below and group 0's promotion
+
+      // n_g: the page's largest k_scale[., g] over its tokens in the chunk.
+      // Every warp reduces all 64 tokens on its own, so all agree on the
+      // running N_g = max(N_g, n_g) and on how much O_g shrinks.
+      float n[kGroups];
+      ds_page_scale_max(slot, lane, valid, n);
+      // k_scale[t_j, g] of this thread's 8 tokens (value v of the fragment is
+      // token j = token_of(v), at offset token_offset(j) from tok_first), one
+      // 16-byte load per token, 0 past the chunk (slots there may hold NaN:
+      // those scores are masked by selection after the promotion, and P would
+      // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= kPNormalizer / N_g).
+      float ksc[8][kGroups];
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        asm volatile(
+            "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
+            " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
+            : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
+            : "r"(tok_first + token_offset(j)), "r"(valid),
+              "r"(my_scales + uint32_t(token_offset(j) * Tr::kScaleRowBytes))
+            : "memory");
+        ksc[j][0] = x.x;
+        ksc[j][1] = x.y;
+        ksc[j][2] = x.z;
+        ksc[j][3] = x.w;
       }
-    } else {
-      for (int page = page_begin; page < page_end; page += 2) {
-        const PagePair pair = take_pair(page, page_end);
-        const bool has_b = pair.has_b;
-        const int ia = pair.ia, ib = pair.ib;
-        stamp(args, 1, ia, event_trace::kPairTop);
-        // ---------------------------------------------------- WG1: page B
-        const int valid_a = c.end_token - page * kBlockN;
-        const int valid_b = c.end_token - (page + 1) * kBlockN;
-        float n[kGroups], factor[2], shrink[kGroups], page_max[2];
-        auto& tSrSb = tSrS;
-        if (has_b) {
-          // V^T_A,R in the chain's first two gaps, V^T_B,R in the last two.
-          Element* slot_a = plan.k[stage_of(ia)];
-          Element* slot_b = plan.k[stage_of(ib)];
-          s_begin(ib, valid_b, n);
-          mbarrier_wait(&plan.k_full[stage_of(ia)], phase_of(ia));
-          transpose_v<Tr>(slot_a, plan.vt[0], plan.zeros, 1, tid, valid_a);
-          transpose_v<Tr>(slot_b, plan.vt[1], plan.zeros, 1, tid, valid_b);
-          s_group(ib, 0);
-          s_group(ib, 1);
-          s_group(ib, 2);
-          s_group(ib, 3);
-          stamp(args, 1, ia, event_trace::kPairSRetired);
-          release(ib);  // WG1's reads of slot B: S_B, V^T_B,R and the scales
-          apply_q_scale(tSrSb, tSrSb);
-          mask(tSrSb, page + 1);
-          row_max(tSrSb, page_max);
-        } else {
-          mbarrier_wait(&plan.k_full[stage_of(ia)], phase_of(ia));
-          transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, valid_a);
-        }
-        stamp(args, 1, ia, event_trace::kPairStored);
-        fence_proxy_async_smem();
-        release(ia);  // V^T_A,R was WG1's only read of slot A
-        named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
-        stamp(args, 1, ia, event_trace::kPairAReady);
-        adopt_max(softmax, 0, factor);
-        adopt_norm(norm, plan.ref_norm[0], shrink);
-        rescale_o(factor, shrink, accumulate);
-        issue_pv(0, accumulate);
-        accumulate = true;
-        if (has_b) {
-          softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
-          grow_norm(norm, n, shrink);
-          publish(softmax, norm, 1);
-          store_p_groups(tSrSb, 1, norm);
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        stamp(args, 1, ia, event_trace::kPairPvRetired);
-        if (has_b) {
-          fence_proxy_async_smem();
-          named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
-          stamp(args, 1, ia, event_trace::kPairBReady);
-          rescale_o(factor, shrink, true);
-          issue_pv(1, true);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-        }
-        stamp(args, 1, ia, event_trace::kPairEnd);
+      // N_g old / new: exact for power-of-two scales; unused at the first page. An IEEE division, unlike the
+      // few-rows kernel's rcp_ftz: here rcp_ftz made ptxas serialize the page's WGMMAs (C7515, session 12).
+      float shrink[kGroups];
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const float grown = fmaxf(norm[g], n[g]);
+        shrink[g] = norm[g] / grown;
+        norm[g] = grown;
       }
+
+      // S += k_scale[t, g] * T_g, in fp32 (q's row scale comes last).
+      auto promote = [&](auto& T, int g) {
+        warpgroup_fence_operand(T);
+        CUTE_UNROLL
+        for (int v = 0; v < size(tSrS); ++v) tSrS(v) = fmaf(ksc[token_of(v)][g], T(v), tSrS(v));
+      };
+      promote(tSrT0, 0);
+      issue_group(tSrT0, 2);
+      warpgroup_wait<1>();  // group 1
+      promote(tSrT1, 1);
+      issue_group(tSrT1, 3);
+      warpgroup_wait<1>();  // group 2
+      promote(tSrT0, 2);
+      warpgroup_wait<0>();  // group 3
+      stamp(args, wg, it, event_trace::kDsSRetired);
+      // The slot's last reads (S retired, V^T and the scales copied): the
+      // producer may refill it while this page's softmax and P V run.
+      release_slot(plan, stage, lane);
+      promote(tSrT1, 3);
+      warpgroup_fence_operand(tSrS);
+      // This page's scores leave the accumulator, times q's row scale (the
+      // softmax writes them while the next page's S head is in flight:
+      // modifying registers of an in-flight batch's kind makes ptxas
+      // serialize, C7515), and the head of the next page's S goes out.
+      Tensor sc = make_fragment_like(tSrS);
+      {
+        const float qs[2] = {plan.q_scale[rows[0]], plan.q_scale[rows[1]]};
+        CUTE_UNROLL
+        for (int v = 0; v < size(tSrS); ++v) sc(v) = tSrS(v) * qs[fragment_row_half(v)];
+      }
+      if (page + 1 < page_end) issue_s_head(it + 1);
+
+      // Visible keys per row (as in consumer()), recomputed per page from an
+      // opaque copy of the length: kept across the page loop, these three
+      // registers made ptxas spill next to O.
+      int limit[2];
+      int seqlen = c.seqlen;
+      asm volatile("" : "+r"(seqlen));
+      const int min_limit = visible_limits(p, c, seqlen, m_block, rows, limit);
+      const int tok0 = page * kBlockN + wg * kNPerWG;
+      if (page * kBlockN + kBlockN > min_limit) mask_invisible(sc, tScS, tok0, limit);
+
+      float page_max[2];
+      page_row_max(plan, sc, it, wg, lane, rows, page_max);
+      stamp(args, wg, it, event_trace::kDsMaxReady);
+
+      float o_scale[2];
+      // Lazy: p <= 2^kLazyRescaleLog2, and o_scale is 1 on most pages (no O rescale). The
+      // row sums add the unrounded p.
+      softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);
+
+      // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact: N_g is a power of two
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) ksc[j][g] *= f;
+      }
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
+        store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, sc,
+                                       [&](int v) { return ksc[token_of(v)][g]; }, 2 * wg);
+      }
+      // Rescale O (no WGMMA reads it now: the last P V retired before this
+      // page's S did) by the row-max factor and, per group, N_g old / new;
+      // then O_g += P_g V_g for this WG's two groups, left in flight until
+      // the next page's S waits (or the chunk's end).
+      const bool first_page = page == page_begin;
+      CUTE_UNROLL
+      for (int j = 0; j < kPVBlocks; ++j) {
+        const float sh = wg == 0 ? shrink[j] : shrink[2 + j];  // group 2 wg + j, without dynamic indexing
+        if (!first_page && (o_scale[0] != 1.f || o_scale[1] != 1.f || sh != 1.f)) {
+          const float f[2] = {o_scale[0] * sh, o_scale[1] * sh};
+          Tensor tOrOj = tOrO(_, _, j);
+          CUTE_UNROLL
+          for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f[fragment_row_half(v)];
+        }
+      }
+      stamp(args, wg, it, event_trace::kDsPStored);
+      fence_proxy_async_smem();
+      named_barrier_sync(NamedBarriers::kPReady, kConsumers);
+      stamp(args, wg, it, event_trace::kDsPReady);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int j = 0; j < kPVBlocks; ++j) {
+        Tensor sP = make_tensor(make_smem_ptr(plan.p[2 * wg + j]), typename Tr::SmemLayoutP{});
+        Tensor sV = make_tensor(make_smem_ptr(plan.vt[it & 1]), typename Tr::SmemLayoutV{});
+        Tensor tOrOj_mn = tOrO(_, _, j);  // (MMA, 1) -> (MMA, 1, 1), the rank gemm() expects of C
+        Tensor tOrOj = make_tensor(tOrOj_mn.data(), append<3>(tOrOj_mn.layout(), Layout<_1, _0>{}));
+        wgmma_k_steps(mma_pv, thr_pv.partition_fragment_A(sP),
+                      thr_pv.partition_fragment_B(local_tile(
+                          sV, Shape<Int<Tr::kGroupChannels>, Int<kBlockN>>{}, make_coord(wg * kPVBlocks + j, 0))),
+                      tOrOj, !first_page);
+      }
+      warpgroup_commit_batch();
+      stamp(args, wg, it, event_trace::kDsEnd);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    release_q(args, plan, lane);  // the V^T and P tiles may take the next chunk's q
+    release_q(args, plan, tid % 32);  // the V^T and P tiles may take the next chunk's q
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     // O_g * N_g / kPNormalizer: the true O_g (a chunk without pages leaves O unread:
     // the epilogue writes zeros for rows without keys).
@@ -633,7 +493,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     stamp(args, wg, it - 1, event_trace::kSumsShared);
     epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
-  }
+  });
 }
 
 }  // namespace jax_flash_mla::sm90

@@ -86,11 +86,8 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 //     per-lane choice costing nothing (a PRMT selector register).
 // The loads are conflict-free too (8 consecutive tokens of one swizzle
 // unit). The writer's fence.proxy.async and a barrier both WGs pass (a
-// page-ready barrier) order the stores before the P V WGMMA.
-// Blocks [kFirstBlock, kFirstBlock + kNumBlocks) of the eight (32-channel
-// halves of the warp's 64 channels x four 16-token groups), so that a caller
-// can spread the transpose over the gaps of a WGMMA chain.
-template <class Tr, int kFirstBlock = 0, int kNumBlocks = 8>
+// page-ready barrier, or kPReady) order the stores before the P V WGMMA.
+template <class Tr>
 __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
                                             const typename Tr::Element* zeros, int wg, int tid, int valid) {
   static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
@@ -116,14 +113,14 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   // fp8_per_tensor in Nsight Compute, session 6). The asm statements keep
   // their source order (volatile, memory clobbers); loads from the K slot
   // may pass stores to V^T, a different buffer.
-  constexpr int kBatch = Tr::kTransposeBatch;
-  static_assert(kNumBlocks % kBatch == 0 && kFirstBlock + kNumBlocks <= 8, "whole batches of the eight blocks");
+  constexpr int kBlocks = 8, kBatch = Tr::kTransposeBatch;
+  static_assert(kBlocks % kBatch == 0, "whole batches");
   auto block_origin = [&](int block, int& ch0, int& t0) {
     ch0 = warp_channels + (block / 4) * 32;
     t0 = (block % 4) * 16;
   };
   CUTE_UNROLL
-  for (int first = kFirstBlock; first < kFirstBlock + kNumBlocks; first += kBatch) {
+  for (int first = 0; first < kBlocks; first += kBatch) {
     uint32_t d[kBatch][4];
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {

@@ -13,9 +13,10 @@ namespace jax_flash_mla::sm90 {
 
 enum class NamedBarriers : int {
   kQReady = 1,    // Q tile of the next chunk is in shared memory
-  kScalesReady0 = 2,  // and 3: fp8_ds_mla, the WG's warps tabulated its page's token scales (128 threads)
+  kMaxReady = 2,  // fp8_ds_mla: both warpgroups published this page's row maxima
+  kPReady = 3,    // fp8_ds_mla: both halves of P are in shared memory (and stale V rows zeroed)
   kSumReady = 4,  // both warpgroups published their partial row sums
-  // Page pairs (both warpgroups sync: compute-sanitizer's racecheck
+  // bf16 / fp8_per_tensor page pairs (both warpgroups sync: compute-sanitizer's racecheck
   // reported the P and row-max hand-offs as hazards with a bar.arrive on the publishing side).
   // Both WGs take part in every page hand-off, so these also order each WG's
   // own writes (P, V^T, zeroed rows) before its WGMMAs read them.

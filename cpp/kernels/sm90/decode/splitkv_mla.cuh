@@ -320,6 +320,22 @@ struct SplitKvMlaKernel {
     }
   }
 
+  // Row maxima of the page: each WG holds half of its tokens, so the two
+  // exchange theirs and both halves of P share one reference.
+  template <class TensorS>
+  __device__ static void page_row_max(Plan& plan, const TensorS& tSrS, int it, int wg, int lane,
+                                      const int (&rows)[2], float (&page_max)[2]) {
+    row_max(tSrS, page_max);
+    float(*xmax)[kBlockM] = plan.row_max[it & 1];
+    if ((lane & 3) == 0) {
+      xmax[wg][rows[0]] = page_max[0];
+      xmax[wg][rows[1]] = page_max[1];
+    }
+    named_barrier_sync(NamedBarriers::kMaxReady, kConsumers);
+    page_max[0] = fmaxf(page_max[0], xmax[wg ^ 1][rows[0]]);
+    page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
+  }
+
   // ---------------------------------------------------------- consumers
   // bf16 / fp8_per_tensor: page pairs (consumer_pairs.cuh).
   __device__ static void consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k, int m_block,

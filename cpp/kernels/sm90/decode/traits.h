@@ -17,8 +17,8 @@
 // softmax of A, WG1 those of B (64 x 64, K = 576), and each WG accumulates
 // both pages into its half of O: O_w += P_A V_A[:, 256w..] + P_B V_B[:, 256w..].
 // No FLOP is done twice, and each page's S reads Q once (a 64 x 64 WGMMA
-// instead of two 64 x 32 ones). fp8_ds_mla takes page pairs too, with its
-// own S (promoted scale groups) and P (one tile per group) in consumer_ds.cuh.
+// instead of two 64 x 32 ones). fp8_ds_mla still splits every page's tokens
+// between the WGs (kBlockNPerWG).
 //
 // Other formats specialize Traits<> with their own element types / layouts.
 // FP8 WGMMA reads B only K-major, so fp8_per_tensor (kVNeedsTranspose) adds
@@ -74,6 +74,8 @@ static_assert(kNumConsumerWGs * kConsumerRegs + kProducerRegs <= (kNumThreads / 
 // (fp8_per_tensor), 2 % (bf16) and 1-2 % (fp8_ds_mla, whose 656-byte rows
 // stream alike either way). docs/PERF.md sessions 10-11.
 inline constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+// fp8_ds_mla: each consumer WG computes S for half of the page's tokens.
+inline constexpr int kBlockNPerWG = kBlockN / kNumConsumerWGs;        // 32
 // Each consumer WG owns half of O's columns ...
 inline constexpr int kHeadDimVPerWG = kHeadDimV / kNumConsumerWGs;    // 256
 // ... which are the first four 64-channel slabs of a page (WG0: the left
@@ -395,11 +397,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   using SmemLayoutV = KMajorTile<KAtom, decode_cfg::kHeadDimV, decode_cfg::kBlockN>;
   using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
-  // S of a whole page (64 rows x 64 tokens) by its owner WG: the RoPE part
-  // (bf16) and each scale group's T_g (e4m3).
   using TiledMmaQKRope = decltype(cute::make_tiled_mma(
-      cute::SM90_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
-  using TiledMmaQKNope = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
+      cute::SM90_64x32x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+  using TiledMmaQKNope = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>{}));
   // The skeleton's generic names (the consumer of this format uses the two above).
   using TiledMmaQK = TiledMmaQKNope;
   // A WG owns output groups 2w and 2w+1 (256 channels): one 64x128 WGMMA
@@ -419,16 +419,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     alignas(1024) ElementRope q_rope[kQRopeElems];
     alignas(1024) Element k[kNumStages][kKElems];
     alignas(1024) Element vt[2][kVtElems];
-    alignas(1024) Element p[2][kNumGroups][kPElems];  // P_g of the pair's page A / B, one tile per output group
+    alignas(1024) Element p[kNumGroups][kPElems];  // P_g, one tile per output group
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float q_scale[decode_cfg::kBlockM];  // q's per-row power-of-two scale
-    // k_scale[t, g] of the page a WG owns, by group ([WG][g][t]; 0 past the
-    // chunk), so that a thread's token pairs are one 8-byte load each.
-    alignas(16) float scale_table[decode_cfg::kNumConsumerWGs][kNumGroups][decode_cfg::kBlockN];
-    // Running row maxima and group normalizers N_g after page A (WG0) and
-    // after page B (WG1).
-    float ref_max[2][decode_cfg::kBlockM];
-    alignas(16) float ref_norm[2][kNumGroups];
+    float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
