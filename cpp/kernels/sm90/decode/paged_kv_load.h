@@ -44,32 +44,6 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// The same box into L2 only (no shared memory, no barrier): PTX ISA
-// "cp.async.bulk.prefetch.tensor".
-__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-
-// A whole page of head hk into L2, box by box as its loads will ask for it
-// (bf16 / fp8_per_tensor: the nine 64-channel slabs; fp8_ds_mla: the five
-// cache boxes and the scale box).
-template <class Traits>
-__device__ __forceinline__ void prefetch_page_l2(const CUtensorMap* map, const CUtensorMap* scale_map, int head_k,
-                                                 int block) {
-  if constexpr (Traits::kScaleGroups) {
-#pragma unroll
-    for (int c = 0; c < Traits::kNopeSlabs; ++c) tma_prefetch_l2_4d(map, c * Traits::kTmaBoxElems, head_k, 0, block);
-    tma_prefetch_l2_4d(map, Traits::kRopeByte, head_k, 0, block);
-    tma_prefetch_l2_4d(scale_map, Traits::kScaleByte, head_k, 0, block);
-  } else {
-#pragma unroll
-    for (int c = 0; c < decode_cfg::kSlabs; ++c) tma_prefetch_l2_4d(map, c * 64, head_k, 0, block);
-  }
-}
-
 // The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
 // 4-8) part of a page, each on its own full barrier, so the consumers can
 // start S on one part while the other lands and hand the parts back apart.

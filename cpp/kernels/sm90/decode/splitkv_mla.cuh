@@ -180,21 +180,10 @@ struct SplitKvMlaKernel {
         }
       };
       if (c.first_page() == c.end_page()) issue_q();
-      // The page kL2Ahead beyond the one loaded goes to L2 first (within the
-      // chunk), so that a slot's TMA, issued once the slot is free, reads L2
-      // instead of waiting on DRAM: at C1 a page took ~2.8 us from its TMA's
-      // issue to landing (event trace, session 15), about one pair. Its
-      // block id is read with the loaded page's, its prefetch issued after
-      // that page's loads.
-      for (int d = 1; d < decode_cfg::kL2Ahead && c.first_page() + d < c.end_page(); ++d) {
-        prefetch_page_l2<Tr>(&args.k_map, &args.scale_map, head_k, table[c.first_page() + d]);
-      }
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
         const int block = table[page];
-        const int ahead = page + decode_cfg::kL2Ahead;
-        const int ahead_block = ahead < c.end_page() ? table[ahead] : -1;
         // Narrow: the WG that takes the page (alternate pages of the chunk) has its own k_full set.
         auto& full = full_barriers(plan, (page - c.first_page()) % decode_cfg::kNumConsumerWGs)[stage];
         if constexpr (Tr::kScaleGroups) {
@@ -213,7 +202,6 @@ struct SplitKvMlaKernel {
           }
         }
         if (page == c.first_page()) issue_q();
-        if (ahead_block >= 0) prefetch_page_l2<Tr>(&args.k_map, &args.scale_map, head_k, ahead_block);
       }
       ++chunk;
     });

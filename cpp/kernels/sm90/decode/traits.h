@@ -74,8 +74,6 @@ static_assert(kNumConsumerWGs * kConsumerRegs + kProducerRegs <= (kNumThreads / 
 // (fp8_per_tensor), 2 % (bf16) and 1-2 % (fp8_ds_mla, whose 656-byte rows
 // stream alike either way). docs/PERF.md sessions 10-11.
 inline constexpr CUtensorMapL2promotion kTmaL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-// The producer prefetches the page this many ahead of the one it loads into L2.
-inline constexpr int kL2Ahead = 2;
 // fp8_ds_mla: each consumer WG computes S for half of the page's tokens.
 inline constexpr int kBlockNPerWG = kBlockN / kNumConsumerWGs;        // 32
 // Each consumer WG owns half of O's columns ...
