@@ -101,7 +101,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   };
 
   // S = Q K^T of page i over the 576 channels; the k-steps of the part
-  // that lands first (left, or right with kBRightFirst / kARightFirst) are
+  // that lands first (left, or right for a page B with kBRightFirst) are
   // issued while the other part may still be landing.
   // (always_inline: called from three places, it would otherwise become a
   // call, with the accumulators passed through the stack.)
@@ -279,7 +279,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // With early S, the first pair's S are issued here.
     const int page_begin = c.first_page(), page_end = c.end_page();
     if (page_begin < page_end) {
-      if (wg == 0 && kEarlyS) issue_s(it, Tr::kARightFirst);
+      if (wg == 0 && kEarlyS) issue_s(it, false);
       if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1, Tr::kBRightFirst);
     }
 
@@ -292,7 +292,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         float factor[2];
         stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
-        if (!kEarlyS) issue_s(ia, Tr::kARightFirst);
+        if (!kEarlyS) issue_s(ia, false);
         if constexpr (Tr::kVNeedsTranspose) {
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
         }
@@ -334,7 +334,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
-            issue_s(ib + 1, Tr::kARightFirst);
+            issue_s(ib + 1, false);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);

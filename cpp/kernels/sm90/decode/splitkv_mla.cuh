@@ -192,12 +192,10 @@ struct SplitKvMlaKernel {
           load_ds_page<Tr>(&args.k_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it;
-          // with kBRightFirst / kARightFirst the right part first for a pair's
-          // page B / A.
-          const bool page_b = (page - c.first_page()) & 1;
-          const bool right_first = page_b ? Tr::kBRightFirst : Tr::kARightFirst;
+          // with kBRightFirst the right part first for a pair's page B.
+          const bool page_b = Tr::kBRightFirst && ((page - c.first_page()) & 1);
           for (int n = 0; n < 2; ++n) {
-            const int part = right_first ? 1 - n : n;
+            const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
             load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);

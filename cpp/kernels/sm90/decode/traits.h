@@ -161,7 +161,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  static constexpr bool kARightFirst = false;
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -258,12 +257,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
-  // Three stages: page i reuses the slot of page i - 3, of the other role.
-  // A slot's previous page B hands its right part back first (WG1, after
-  // S_B), so a page A loads and runs its S right part first; a page B, in
-  // the slot of a page A (left part back first, after S_A), left first.
-  static constexpr bool kBRightFirst = false;
-  static constexpr bool kARightFirst = true;
+  static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
