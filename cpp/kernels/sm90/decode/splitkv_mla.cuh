@@ -349,8 +349,8 @@ struct SplitKvMlaKernel {
   // scale per group over its first `valid` tokens (every warp reduces all 64).
   __device__ static float4 ds_token_scales(uint32_t slot_base, int t, int valid);
   __device__ static void ds_page_scale_max(uint32_t slot_base, int lane, int valid, float (&n)[4]);
-  __device__ static __forceinline__ void consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
-                                                     int head_k, int m_block, int wg, int tid);
+  __device__ static void consumer_ds(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
+                                     int m_block, int wg, int tid);
   // FP8 formats with at most Tr::kNarrowRows query rows per KV head
   // (consumer_narrow.cuh, on NarrowTraits): transposed WGMMAs, one page per
   // WG, the two WGs merged at the chunk's end by epilogue_narrow.
@@ -433,14 +433,7 @@ struct SplitKvMlaKernel {
       if constexpr (kNarrow) {
         consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       } else if constexpr (Tr::kScaleGroups) {
-        // One inlined copy per warpgroup: with the index a constant, the S
-        // WGMMAs' K-tile descriptors and the transposes' offsets fold into
-        // immediates instead of being built per k-step in vector registers.
-        if (warp < 4) {
-          consumer_ds(args, plan, meta, head_k, m_block, 0, threadIdx.x % 128);
-        } else {
-          consumer_ds(args, plan, meta, head_k, m_block, 1, threadIdx.x % 128);
-        }
+        consumer_ds(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
       } else {
         // The warpgroup index through a shuffle, so that ptxas knows it is
         // warp-uniform: WGMMAs in flight across branches on it would otherwise
