@@ -259,16 +259,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   auto token_of = [](int v) { return 2 * (v / 4) + v % 2; };
   auto token_offset = [](int j) { return 8 * (j / 2) + j % 2; };
 
-  // The slot's base through a shuffle, so that ptxas knows it is
-  // warp-uniform and builds the K descriptors in uniform registers.
-  auto slot_ptr = [&](int stage) { return plan.k[0] + __shfl_sync(0xffffffffu, stage, 0) * Tr::kKElems; };
   auto k_nope = [&](int stage) {
-    Tensor sK = make_tensor(make_smem_ptr(slot_ptr(stage)), typename Tr::SmemLayoutK{});
+    Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
     return thr_nope.partition_fragment_B(
         local_tile(sK, Shape<Int<kNPerWG>, Int<Tr::kHeadDimNope>>{}, make_coord(wg, 0)));  // (MMA, 1, 16)
   };
   auto k_rope = [&](int stage) {
-    Rope* base = reinterpret_cast<Rope*>(slot_ptr(stage) + Tr::kRopeOffset);
+    Rope* base = reinterpret_cast<Rope*>(plan.k[stage] + Tr::kRopeOffset);
     Tensor sKR = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutKRope{});
     return thr_rope.partition_fragment_B(
         local_tile(sKR, Shape<Int<kNPerWG>, Int<Tr::kHeadDimRope>>{}, make_coord(wg, 0)));  // (MMA, 1, 4)
@@ -301,10 +298,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   SchedMeta walk = meta;
   walk.begin_split_idx = 0;
   int it = 0;
-  // A plain loop rather than for_each_chunk: a lambda this large is not
-  // inlined, and O would then live in local memory.
-  for (int b = walk.begin_batch; b <= walk.end_batch; ++b) {
-    const Chunk c = make_chunk(p, walk, b);
+  for_each_chunk(p, walk, [&](const Chunk& c) {
     stamp(args, wg, it, event_trace::kChunkStart);
     load_q_ds(args, plan, c.batch, head_k, m_block, ctid, c.batch - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
@@ -499,7 +493,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     stamp(args, wg, it - 1, event_trace::kSumsShared);
     epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
-  }
+  });
 }
 
 }  // namespace jax_flash_mla::sm90
