@@ -95,4 +95,69 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
   }
 }
 
+// epilogue() for O^T: thread (warp, lane) of WG w holds channels
+// 256 w + 64 b + 16 warp + 2 (lane / 4) + {0, 1} of block b (values v and
+// v + 2) for query rows 2 (lane % 4) + (c & 1) + 8 (c >> 1), c < 16
+// (v = (c & 1) + 4 (c >> 1)), so it writes each row's channel pair; a warp's
+// store covers 32 contiguous bytes (bf16) or 64 (fp32) of 4 rows.
+template <config::KvFormat kFormat, bool kNarrow>
+template <class FragO>
+__device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_ot(const DecodeParams& p, Plan& plan, const Chunk& c,
+                                                               int head_k, int m_block, int wg, int tid,
+                                                               const OnlineSoftmaxState& softmax, FragO& tOrO,
+                                                               const int (&rows)[2], float scale, float out_scale) {
+  constexpr int kBlocks = decode_cfg::kHeadDimVPerWG / 64;
+  static_assert(decltype(cute::size(tOrO))::value == 32 * kBlocks, "m64n64 O^T blocks");
+  const int lane = tid % 32;
+  const int split_begin = p.num_splits[c.batch];
+  const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
+  const int64_t accum_row0 =
+      (int64_t(split_begin + c.split_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
+  const int ch0 = wg * decode_cfg::kHeadDimVPerWG + 16 * (tid / 32) + 2 * (lane / 4);
+  CUTE_UNROLL
+  for (int cr = 0; cr < 16; ++cr) {
+    const int row = 2 * (lane % 4) + (cr & 1) + 8 * (cr >> 1);
+    const int r = m_block * kBlockM + row;
+    if (r >= p.q_rows_per_head_k) continue;
+    const float l = plan.row_sum[0][row] + plan.row_sum[1][row];
+    const bool seen = l > 0.f;
+    const float inv = seen ? out_scale / l : 0.f;
+    const int s = r / p.heads_per_head_k;
+    const int hq = head_k * p.heads_per_head_k + r % p.heads_per_head_k;
+    const int v0 = (cr & 1) + 4 * (cr >> 1);
+    CUTE_UNROLL
+    for (int b = 0; b < kBlocks; ++b) {
+      // Select, not multiply: O^T is stale (never written) in a chunk without pages.
+      const float o0 = seen ? tOrO(v0 + 32 * b) * inv : 0.f;
+      const float o1 = seen ? tOrO(v0 + 2 + 32 * b) * inv : 0.f;
+      const int ch = ch0 + 64 * b;
+      if (direct) {
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + c.batch * p.out_batch_stride +
+                             s * p.out_seq_stride + hq * p.out_head_stride + ch;
+        *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(o0, o1);
+      } else {
+        *reinterpret_cast<float2*>(p.o_accum + (accum_row0 + r) * config::kHeadDimV + ch) = make_float2(o0, o1);
+      }
+    }
+  }
+  if (wg == 0 && (lane & 3) == 0) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = m_block * kBlockM + rows[h];
+      if (r >= p.q_rows_per_head_k) continue;
+      const float l = plan.row_sum[0][rows[h]] + plan.row_sum[1][rows[h]];
+      // No visible key: +inf for a final result, -inf for a partial that the
+      // combine must ignore (params.h).
+      const float lse = l > 0.f ? softmax.max[h] * scale + logf(l) : (direct ? INFINITY : -INFINITY);
+      const int s = r / p.heads_per_head_k;
+      const int hq = head_k * p.heads_per_head_k + r % p.heads_per_head_k;
+      if (direct) {
+        p.lse[(int64_t(c.batch) * p.num_heads_q + hq) * p.seqlen_q + s] = lse;
+      } else {
+        p.lse_accum[accum_row0 + r] = lse;
+      }
+    }
+  }
+}
+
 }  // namespace jax_flash_mla::sm90
