@@ -52,21 +52,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // (MMA, 1, k-steps) descriptors
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  // O of this WG's 256 channels: (64 rows, 256 ch), or for fp8_per_tensor
-  // O^T, (256 ch, 64 rows): 4 m64 blocks of V^T P^T (Traits::kOTransposed).
-  constexpr bool kOT = Tr::kOTransposed;
-  constexpr bool kVtTile = Tr::kVNeedsTranspose && !kOT;  // V^T through a shared tile (transpose_v)
-  using OShape = std::conditional_t<kOT, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockM>>,
-                                    Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>>;
-  Tensor tOrO = partition_fragment_C(mma_pv, OShape{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(OShape{}));
-  // O^T: the V^T A fragments of a page, (16 e4m3, 4 channel blocks, 2
-  // k-steps), column-major, so word j + 4 (block + 4 k-step) of the uint32
-  // view is register a_j (consumer_narrow.cuh has the lane mapping).
-  constexpr int kOtBlocks = decode_cfg::kHeadDimVPerWG / 64;
-  Tensor tOrV = make_tensor<Element>(Layout<Shape<Shape<_4, _2, _2>, Int<kOtBlocks>, _2>>{});
-  Tensor tOrVw = recast<uint32_t>(tOrV);
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
   static_assert(size(tSrS) == kBlockN / 2, "two rows x N/4 columns per thread");
   // The two rows this thread holds (fragment row halves 0 and 1).
   const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
@@ -102,7 +90,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // (bf16, MN-major) or from the page's V^T buffer (e4m3, K-major).
   auto v_operand = [&](int i, int page_role) {
     Element* v_base;
-    if constexpr (kVtTile) {
+    if constexpr (Tr::kVNeedsTranspose) {
       v_base = plan.vt[page_role];
     } else {
       v_base = plan.k[stage_of(i)];
@@ -143,67 +131,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   };
   // O_w (+)= P V_w with P from shared memory ...
   auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
-    if constexpr (!kOT) {
-      wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(i, page_role)), v_operand(i, page_role), tOrO,
-                  accumulate);
-    }
-  };
-  // ... or, O^T, O^T_w (+)= V^T_w P^T: this WG's V^T fragments straight from
-  // page i's slot (tokens past the chunk read the zero row: their slots may
-  // hold NaN, and 0 * NaN = NaN), after which the WG hands its part of the
-  // slot back (its S and these loads were its last reads); B is the page's P
-  // tile. The fragments stay live until the batch retires.
-  auto issue_pv_t = [&](int i, int page_role, int valid, bool accumulate) __attribute__((always_inline)) {
-    if constexpr (kOT) {
-      const typename Tr::SmemLayoutK layout_k{};
-      const uint32_t slot = smem_addr(plan.k[stage_of(i)]);
-      const uint32_t zero_row = smem_addr(plan.zeros);
-      const int channel0 = wg * decode_cfg::kHeadDimVPerWG + 16 * (tid / 32);
-      // One block's two k-steps at a time, each PRMT right after its loads (volatile, so ptxas keeps the
-      // order): all eight loads first put 32 more registers next to O^T, the fragments and WG1's S copy.
-      auto prmt = [](uint32_t a, uint32_t b, uint32_t sel) {
-        uint32_t r;
-        asm volatile("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-        return r;
-      };
-      warpgroup_fence_operand(tOrVw);
-      CUTE_UNROLL
-      for (int mb = 0; mb < kOtBlocks; ++mb) {
-        uint32_t d[2][4];
-        CUTE_UNROLL
-        for (int ks = 0; ks < 2; ++ks) {
-          const int token = 32 * ks + lane;  // ldmatrix.x4: lane i addresses row i % 8 of matrix i / 8
-          const uint32_t src = token < valid ? slot + uint32_t(layout_k(token, channel0 + 64 * mb)) : zero_row;
-          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(d[ks][0]), "=r"(d[ks][1]), "=r"(d[ks][2]), "=r"(d[ks][3])
-                       : "r"(src)
-                       : "memory");
-        }
-        CUTE_UNROLL
-        for (int ks = 0; ks < 2; ++ks) {
-          const int w = 4 * (mb + kOtBlocks * ks);
-          tOrVw(w + 0) = prmt(d[ks][0], d[ks][1], 0x6420);  // channel 2r,     tokens 0-15 of the k-step
-          tOrVw(w + 1) = prmt(d[ks][0], d[ks][1], 0x7531);  // channel 2r + 1
-          tOrVw(w + 2) = prmt(d[ks][2], d[ks][3], 0x6420);  // channel 2r,     tokens 16-31
-          tOrVw(w + 3) = prmt(d[ks][2], d[ks][3], 0x7531);
-        }
-      }
-      release(i);
-      Tensor tPt = thr_pv.partition_fragment_B(p_tile(i, page_role));  // (MMA, 1, 2)
-      warpgroup_fence_operand(tOrVw);
-      warpgroup_fence_operand(tOrO);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int ks = 0; ks < 2; ++ks) {
-        mma_pv.accumulate_ = (ks > 0 || accumulate) ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int mb = 0; mb < kOtBlocks; ++mb) {
-          Tensor tOrOmb = tOrO(_, mb, 0);
-          cute::gemm(mma_pv, tOrV(_, mb, ks), tPt(_, 0, ks), tOrOmb);  // one m64n64k32 WGMMA
-        }
-      }
-      warpgroup_commit_batch();
-    }
+    wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(i, page_role)), v_operand(i, page_role), tOrO,
+                accumulate);
   };
   // ... or with the WG's own P (fp32 probabilities in the S fragment)
   // rounded to bf16 in registers.
@@ -237,32 +166,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     }
   };
   auto rescale_o = [&](const float (&factor)[2]) {
-    if constexpr (kOT) {
-      // O^T: thread (warp, lane) holds query rows 2 (lane % 4) + (c & 1) + 8 (c >> 1), c < 16, of every block
-      // (value v: c = (v & 1) + 2 ((v >> 2) & 7)), while each row's factor comes from the quad that owns the
-      // row in S. The WG votes first (the maxima settle after a few pages), then, if any row moved, its
-      // quads publish their factors and every thread reads its 16. (The next vote orders these reads
-      // before the next writes.)
-      const auto bar = NamedBarriers(int(NamedBarriers::kOFactor0) + wg);
-      if (named_barrier_or(bar, 128, factor[0] != 1.f || factor[1] != 1.f)) {
-        if ((lane & 3) == 0) {
-          plan.o_factor[wg][rows[0]] = factor[0];
-          plan.o_factor[wg][rows[1]] = factor[1];
-        }
-        named_barrier_sync(bar, 128);
-        float f[16];
-        CUTE_UNROLL
-        for (int c = 0; c < 16; ++c) f[c] = plan.o_factor[wg][2 * (lane % 4) + (c & 1) + 8 * (c >> 1)];
-        CUTE_UNROLL
-        for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= f[(v & 1) + 2 * ((v >> 2) & 7)];
-      }
-    } else {
-      // Row maxima settle after a few pages: skip the 128 multiplies when
-      // neither of this thread's rows moved (no WGMMA is in flight here).
-      if (factor[0] != 1.f || factor[1] != 1.f) {
-        CUTE_UNROLL
-        for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= factor[fragment_row_half(v)];
-      }
+    // Row maxima settle after a few pages: skip the 128 multiplies when
+    // neither of this thread's rows moved (no WGMMA is in flight here).
+    if (factor[0] != 1.f || factor[1] != 1.f) {
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= factor[fragment_row_half(v)];
     }
   };
   // Adopts a new running max published by the other WG: returns the factor
@@ -311,12 +219,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // writes (P, zeroed V rows) before its WGMMA reads them.
     named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
   };
-  auto accumulate_own_page = [&](const auto& tP, int i, int page_role, int valid, const float (&factor)[2],
-                                 bool accumulate) __attribute__((always_inline)) {
+  auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
+                                 __attribute__((always_inline)) {
     rescale_o(factor);
-    if constexpr (kOT) {
-      issue_pv_t(i, page_role, valid, accumulate);
-    } else if constexpr (Tr::kOwnPInRegisters) {
+    if constexpr (Tr::kOwnPInRegisters) {
       issue_pv_regs(tP, i, page_role, accumulate);
     } else {
       issue_pv_smem(i, page_role, accumulate);
@@ -326,17 +232,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
                           const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
     publish_p(tP, i, page, page_role, c);
-    accumulate_own_page(tP, i, page_role, c.end_token - page * kBlockN, factor, accumulate);
+    accumulate_own_page(tP, i, page_role, factor, accumulate);
   };
   // Each WG queues its S of the next pair right behind its last P V of this
   // pair when the ring holds three pages or more (fp8_per_tensor); with two
   // (bf16), page B' reuses B's slot, which is free only once P_B V_B
   // retired. Early S also relies on V^T: the K slot is released before the
   // P V that follows it, so nothing is left to release after the S.
-  // (O^T: no early S. Its 18 k-steps issued, or in flight, next to a P V's
-  // V^T fragments, O^T and S leave ptxas too few registers: it serializes
-  // every WGMMA, C7512. So each P V retires at the pair's end.)
-  constexpr bool kEarlyS = Tr::kNumStages >= 3 && !kOT;
+  constexpr bool kEarlyS = Tr::kNumStages >= 3;
   static_assert(!kEarlyS || Tr::kVNeedsTranspose, "early S releases K slots before their P V");
 
   int it = 0;  // pages consumed by this CTA, across chunks (ring position)
@@ -390,14 +293,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
         if (!kEarlyS) issue_s(ia, false);
-        if constexpr (kVtTile) {
+        if constexpr (Tr::kVNeedsTranspose) {
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
         }
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
         stamp(args, 0, ia, event_trace::kPairSRetired);
-        if constexpr (kVtTile) release(ia);  // S_A and V^T_A,L have read the left part
+        if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         if constexpr (Tr::kPInRopeSlab) release_part(ia, 1);  // S_A was WG0's last read of A's right part
         mask(tSrS, page);
         float page_max[2];
@@ -409,7 +312,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         accumulate = true;
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
-          if constexpr (kVtTile) {
+          if constexpr (Tr::kVNeedsTranspose) {
             // V^T_B's last reader (the last pair's P_B V_B,L) retired
             // before this pair's S_A did.
             mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
@@ -419,7 +322,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           }
           named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
-          if constexpr (kVtTile) release(ib);  // S_B retired before kPageBReady
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
           // WG0 never reads page B's right part (P_B has its own tile); all
           // arrivals for the slot's last page came before this barrier.
           if constexpr (Tr::kPInRopeSlab) release_part(ib, 1);
@@ -429,11 +332,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
-          if constexpr (kOT) {
-            issue_pv_t(ib, 1, c.end_token - (page + 1) * kBlockN, true);
-          } else {
-            issue_pv_smem(ib, 1, true);
-          }
+          issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
             issue_s(ib + 1, false);
           } else {
@@ -456,7 +355,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 1, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG1: page B
         if (!kEarlyS && has_b) issue_s(ib, Tr::kBRightFirst);
-        if constexpr (kVtTile) {
+        if constexpr (Tr::kVNeedsTranspose) {
           // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
           // V^T_B,R by its P_B V_B,R, queued before S_B.
           mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
@@ -474,7 +373,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
           stamp(args, 1, ia, event_trace::kPairSRetired);
-          if constexpr (kVtTile) release(ib);  // S_B and V^T_B,R have read the right part
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
           mask(tSrSb, page + 1);
@@ -484,73 +383,41 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         }
         named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
         stamp(args, 1, ia, event_trace::kPairAReady);
-        if constexpr (kVtTile) release(ia);  // S_A retired before kPageAReady
+        if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
         adopt_max(softmax, plan.ref_max[0], factor);
-        if constexpr (kOT) {
-          // O^T: P_B is computed and stored before P_A V_A,R goes out, so
-          // S_B's copy is dead before the V^T fragments load (both live next
-          // to O^T spilled and serialized every WGMMA, C7512); P_B's tile is
-          // its own and its last reader (the last pair's P_B V_B,L) retired
-          // before kPageAReady, so it is published while P_A V_A,R runs.
-          float factor_b[2];
-          if (has_b) {
-            softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor_b);
-            publish_max(softmax, plan.ref_max[1]);
-            store_p(tSrSb, ib, 1);
-            stamp(args, 1, ib, event_trace::kPairStored);
-          }
-          rescale_o(factor);
-          issue_pv_t(ia, 0, c.end_token - page * kBlockN, accumulate);
-          accumulate = true;
-          if (has_b) {
-            fence_proxy_async_smem();
-            named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
+        rescale_o(factor);
+        issue_pv_smem(ia, 0, accumulate);
+        accumulate = true;
+        if (has_b) {
+          softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
+          publish_max(softmax, plan.ref_max[1]);
+        }
+        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
+        // its last reader, the last pair's P_B V_B,L, retired before
+        // kPageAReady). P_A V_A,R retires before O is rescaled.
+        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
+        // gain from publishing it early: experiment pbearly, session 15.)
+        if constexpr (Tr::kPInRopeSlab) {
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+          stamp(args, 1, ia, event_trace::kPairBReady);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        stamp(args, 1, ia, event_trace::kPairPvRetired);
+        if constexpr (!Tr::kVNeedsTranspose) release(ia);
+        if (has_b) {
+          if constexpr (Tr::kPInRopeSlab) {
+            accumulate_own_page(tSrSb, ib, 1, factor, true);
+          } else {
+            publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
             stamp(args, 1, ia, event_trace::kPairBReady);
           }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          if (has_b) {
-            rescale_o(factor_b);
-            issue_pv_t(ib, 1, c.end_token - (page + 1) * kBlockN, true);
+          if (kEarlyS && next_has_b) {
+            issue_s(ib + 2, Tr::kBRightFirst);
+          } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
-          }
-        } else {
-          rescale_o(factor);
-          issue_pv_smem(ia, 0, accumulate);
-          accumulate = true;
-          if (has_b) {
-            softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
-            publish_max(softmax, plan.ref_max[1]);
-          }
-          // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
-          // its last reader, the last pair's P_B V_B,L, retired before
-          // kPageAReady). P_A V_A,R retires before O is rescaled.
-          // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
-          // gain from publishing it early: experiment pbearly, session 15.)
-          if constexpr (Tr::kPInRopeSlab) {
-            if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
-            stamp(args, 1, ia, event_trace::kPairBReady);
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          if constexpr (!Tr::kVNeedsTranspose) release(ia);
-          if (has_b) {
-            if constexpr (Tr::kPInRopeSlab) {
-              accumulate_own_page(tSrSb, ib, 1, c.end_token - (page + 1) * kBlockN, factor, true);
-            } else {
-              publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
-              stamp(args, 1, ia, event_trace::kPairBReady);
-            }
-            if (kEarlyS && next_has_b) {
-              issue_s(ib + 2, Tr::kBRightFirst);
-            } else {
-              warpgroup_wait<0>();
-              warpgroup_fence_operand(tOrO);
-              if constexpr (!Tr::kVNeedsTranspose) release(ib);
-            }
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);
           }
         }
         stamp(args, 1, ia, event_trace::kPairEnd);
@@ -564,11 +431,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
-    if constexpr (kOT) {
-      epilogue_ot(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, rows, logit_scale, out_scale);
-    } else {
-      epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
-    }
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }
 }

@@ -27,9 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  // fp8_per_tensor's O^T (consumer_pairs): per-WG (128 threads), the vote on whether any
-  // of the WG's rows rescales, then its factors' publication.
-  kOFactor0 = 12,  // and 13
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {
@@ -41,17 +38,6 @@ __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_thr
 // to the async proxy (WGMMA operand reads, TMA): PTX ISA "membar/fence",
 // fence.proxy.async. Each writing thread issues it before the barrier that
 // orders the writes with the consumer WGMMA.
-// bar.red.or over `num_threads` threads: whether `pred` holds in any of them.
-__device__ __forceinline__ bool named_barrier_or(NamedBarriers id, int num_threads, bool pred) {
-  int any;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.b32 p, %2, 0;\n bar.red.or.pred q, %1, %3, p;\n selp.b32 %0, 1, 0, q;\n}\n"
-      : "=r"(any)
-      : "r"(static_cast<int>(id)), "r"(int(pred)), "r"(num_threads)
-      : "memory");
-  return any != 0;
-}
-
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

@@ -369,11 +369,6 @@ struct SplitKvMlaKernel {
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
                                   int tid, const OnlineSoftmaxState& softmax, FragO& tOrO, const CoordO& tOcO,
                                   const int (&rows)[2], float scale, float out_scale);
-  // The same for O^T (fp8_per_tensor, Traits::kOTransposed): each thread writes channel pairs of 16 rows.
-  template <class FragO>
-  __device__ static void epilogue_ot(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block,
-                                     int wg, int tid, const OnlineSoftmaxState& softmax, FragO& tOrO,
-                                     const int (&rows)[2], float scale, float out_scale);
 
   __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
     const DecodeParams& p = args.params;

@@ -105,7 +105,6 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kBytesPerToken = config::kHeadDimQK * 2;  // 1152
   static constexpr int kNumStages = 2;
   static constexpr bool kVNeedsTranspose = false;  // bf16 WGMMA reads MN-major B directly
-  static constexpr bool kOTransposed = false;      // O = P V (rows x channels)
   static constexpr bool kUsesDescale = false;      // no descale_q / descale_k
   static constexpr bool kScaleGroups = false;      // fp8_ds_mla's per-group scales (design A)
   // TMA element type and swizzle of the K boxes (64 channels = 128 bytes).
@@ -225,12 +224,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   using Element = cutlass::float_e4m3_t;  // q, k_cache, P
   using ElementAccum = float;
   static constexpr int kBytesPerToken = config::kHeadDimQK;  // 576
-  static constexpr int kNumStages = 4;
+  static constexpr int kNumStages = 3;
   static constexpr bool kVNeedsTranspose = true;
-  // O^T = V^T P^T (channels x rows): V^T is the register A operand, built
-  // from the K slot by ldmatrix.trans + PRMT right before the P V (no V^T
-  // tile, no stmatrix, no proxy fence); P^T is the P tile read as B.
-  static constexpr bool kOTransposed = true;
   static constexpr bool kUsesDescale = true;
   static constexpr bool kScaleGroups = false;
   // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
@@ -250,8 +245,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   using SmemLayoutP = KMajorTile<KAtom, decode_cfg::kBlockM, decode_cfg::kBlockN>;
 
   using TiledMmaQK = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
-  // O^T block (64 channels x 64 rows) += V^T (registers) P^T (the P tile).
-  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>{}));
+  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
   // Both WGs read P from shared memory (one tile per page). (In p_column
   // order the packed e4m3 words are also the k = 32 register A fragment; a
   // WG multiplying its own P from registers measured slower: DESIGN.md.)
@@ -283,10 +277,10 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
     alignas(1024) Element p[kNumPTiles][kPElems];
-    alignas(16) Element zeros[16];  // one zero ldmatrix row: the V^T fragments' stale tokens
+    alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float ref_max[2][decode_cfg::kBlockM];
-    float o_factor[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];  // each WG's O^T rescale factors by row
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
@@ -343,7 +337,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr int kBytesPerToken = config::kDsMlaBytesPerToken;  // 656
   static constexpr int kNumStages = 2;
   static constexpr bool kVNeedsTranspose = true;
-  static constexpr bool kOTransposed = false;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
