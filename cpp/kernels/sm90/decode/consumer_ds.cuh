@@ -240,7 +240,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   // Two NoPE group accumulators: group g+1 (or g+2) runs while g is promoted.
   Tensor tSrT0 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
   Tensor tSrT1 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
-  Tensor tSrT2 = partition_fragment_C(mma_nope, Shape<Int<kBlockM>, Int<kNPerWG>>{});
   Tensor tScS = thr_rope.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNPerWG>>{}));
   // O: this WG's two output groups (2 wg, 2 wg + 1) of 128 channels,
   // (MMA, 1, 2); block j is group 2 wg + j.
@@ -331,7 +330,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tSrT0);
       warpgroup_fence_operand(tSrT1);
-      warpgroup_fence_operand(tSrT2);
       stamp(args, wg, it, event_trace::kDsHeadRetired);
       Tensor tSrKN = k_nope(stage);
       auto issue_group = [&](auto& T, int g) {
@@ -383,9 +381,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       };
       promote(tSrT0, 0);
       issue_group(tSrT0, 2);
-      issue_group(tSrT2, 3);
-      warpgroup_wait<2>();  // group 1
+      warpgroup_wait<1>();  // group 1
       promote(tSrT1, 1);
+      issue_group(tSrT1, 3);
       warpgroup_wait<1>();  // group 2
       promote(tSrT0, 2);
       warpgroup_wait<0>();  // group 3
@@ -393,7 +391,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // The slot's last reads (S retired, V^T and the scales copied): the
       // producer may refill it while this page's softmax and P V run.
       release_slot(plan, stage, lane);
-      promote(tSrT2, 3);
+      promote(tSrT1, 3);
       warpgroup_fence_operand(tSrS);
       // This page's scores leave the accumulator, times q's row scale (the
       // softmax writes them while the next page's S head is in flight:
