@@ -64,13 +64,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
 
   auto stage_of = [](int i) { return i % Tr::kNumStages; };
   auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
-  // A slot part's k_empty lives in the CTA that loads the part: this one,
-  // or with multicast (SplitKvArgs::kv_multicast) the cluster's CTA of rank
-  // `part`, which refills it in both CTAs once both released it.
-  const int multicast = args.kv_multicast;
   auto release = [&](int i) {  // this WG's part of page i's slot
     __syncwarp();
-    mbarrier_arrive_cluster_if(&plan.k_empty[stage_of(i)][wg], multicast ? wg : 0, lane == 0);
+    mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
   };
   // The P tile of page i (page_role 0: A, 1: B): the pair's tile of that
   // role, or for bf16's P_A its slot's RoPE slab.
@@ -88,7 +84,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // arrivals on the right parts, which hold the RoPE slab).
   auto release_part = [&](int i, int part) {
     __syncwarp();
-    mbarrier_arrive_cluster_if(&plan.k_empty[stage_of(i)][part], multicast ? part : 0, lane == 0);
+    mbarrier_arrive_if(&plan.k_empty[stage_of(i)][part], lane == 0);
   };
   // B operand of O_w += P V: this WG's 256 channels of V, from the K slot
   // (bf16, MN-major) or from the page's V^T buffer (e4m3, K-major).

@@ -71,20 +71,6 @@ __device__ __forceinline__ void mbarrier_arrive_if(uint64_t* bar, bool pred) {
 
 // Arrives once and announces `bytes` of incoming async-copy transactions; the
 // phase completes when the arrival count and the byte count both drain.
-// Arrive on the barrier at `bar`'s offset in CTA `cta_rank` of the cluster
-// (this CTA's own in a launch without clusters). Default semantics, as
-// CUTLASS's cluster barrier: with .release.cluster ptxas put a MEMBAR.ALL.GPU
-// before every arrival. The reads it hands back (WGMMA, ldmatrix) have
-// completed before it (wait_group / the loads' results).
-__device__ __forceinline__ void mbarrier_arrive_cluster_if(uint64_t* bar, uint32_t cta_rank, bool pred) {
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b32 remote;\n setp.ne.b32 p, %2, 0;\n"
-      " mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " @p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
-      "r"(cta_rank), "r"(int(pred))
-      : "memory");
-}
-
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile(
       "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(

@@ -34,17 +34,6 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// The same box into the same offset of every CTA in `cta_mask` of the
-// cluster, each copy signalling the barrier at `bar`'s offset in its CTA.
-__device__ __forceinline__ void tma_load_4d_multicast(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
-                                                      uint16_t cta_mask, int c0, int c1, int c2, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%4, %5, %6, %7}], [%2], %3;\n" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "h"(cta_mask), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
-
 // The same through a 5-D map (q's: splitkv_mla.cuh, make_q_tensor_map).
 __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
                                             int c0, int c1, int c2, int c3, int c4) {
@@ -58,25 +47,16 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
 // The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
 // 4-8) part of a page, each on its own full barrier, so the consumers can
 // start S on one part while the other lands and hand the parts back apart.
-// With `multicast` (a cluster of the two CTAs of consecutive m-blocks, which
-// walk the same pages) the part goes to both CTAs: this CTA issues it only if
-// it owns the part (`issue`); it always expects the part's bytes on its own
-// barrier, which the other CTA's copy may complete.
 template <class Traits>
 __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, uint64_t* full_bar,
                                                   typename Traits::Element* slot, int head_k, int block,
-                                                  int part, bool multicast = false, bool issue = true) {
+                                                  int part) {
   constexpr int kSlabElems = config::kPageSize * 64;
   const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
   const int end = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs;
   mbarrier_arrive_expect_tx(full_bar, uint32_t((end - first) * kSlabElems * sizeof(typename Traits::Element)));
-  if (!issue) return;
   for (int c = first; c < end; ++c) {
-    if (multicast) {
-      tma_load_4d_multicast(map, full_bar, slot + c * kSlabElems, uint16_t(0x3), c * 64, head_k, 0, block);
-    } else {
-      tma_load_4d(map, full_bar, slot + c * kSlabElems, c * 64, head_k, 0, block);
-    }
+    tma_load_4d(map, full_bar, slot + c * kSlabElems, c * 64, head_k, 0, block);
   }
 }
 

@@ -85,10 +85,6 @@ struct SplitKvArgs {
   // 64-channel slab of 64 rows. Otherwise (zeros) the consumers copy it.
   CUtensorMap q_map;
   int q_by_tma;
-  // K pages multicast within clusters of two CTAs (consecutive m-blocks of
-  // one partition and KV head; Traits::kMulticastPairs, an even number of
-  // m-blocks): CTA rank r loads part r of every page into both.
-  int kv_multicast;
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   uint64_t* event_trace;  // kernels/event_trace.h; null until armed
 #endif
@@ -200,24 +196,9 @@ struct SplitKvMlaKernel {
           const bool page_b = Tr::kBRightFirst && ((page - c.first_page()) & 1);
           for (int n = 0; n < 2; ++n) {
             const int part = page_b ? 1 - n : n;
-            if (args.kv_multicast) {
-              // Part `part` is this CTA's to load when part == its rank: its
-              // k_empty counts both CTAs' releases. The other part arrives
-              // from the other CTA; this CTA only expects its bytes, once its
-              // own last phase of that barrier is complete.
-              const bool own = part == (m_block & 1);
-              if (own) {
-                mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
-              } else {
-                mbarrier_wait(&full[part], phase ^ 1);
-              }
-              stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-              load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part, true, own);
-            } else {
-              mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
-              stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-              load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
-            }
+            mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
+            stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
+            load_kv_page_part<Tr>(&args.k_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
         if (page == c.first_page()) issue_q();
@@ -412,8 +393,7 @@ struct SplitKvMlaKernel {
           for (int part = 0; part < 2; ++part) {
             // The 4 warps of the part's warpgroup; with P in the RoPE slab
             // (bf16), the right part also waits for WG0's.
-            // With multicast, both CTAs' warps (the part's owner waits).
-            mbarrier_init(&plan.k_empty[s][part], (part == 1 && Tr::kPInRopeSlab ? 8 : 4) * (args.kv_multicast ? 2 : 1));
+            mbarrier_init(&plan.k_empty[s][part], part == 1 && Tr::kPInRopeSlab ? 8 : 4);
           }
         }
       }
@@ -437,11 +417,6 @@ struct SplitKvMlaKernel {
       }
     }
     __syncthreads();
-    // Both CTAs of a multicast cluster have their barriers initialized before
-    // either arrives on the other's or copies into it (a plain CTA barrier
-    // in a launch without clusters).
-    cute::cluster_arrive_relaxed();
-    cute::cluster_wait();
 
     // Programmatic dependent launch: everything above overlapped the previous
     // kernel's tail; inputs (scheduler metadata included) are read only after
@@ -469,10 +444,6 @@ struct SplitKvMlaKernel {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
       if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
     }
-    // Neither CTA of a multicast cluster exits while the other may still
-    // arrive on its barriers. (Both walk the same partition, so both get here.)
-    cute::cluster_arrive_relaxed();
-    cute::cluster_wait();
   }
 };
 
@@ -604,7 +575,6 @@ void run_splitkv_mla(const DecodeParams& params) {
   memset(&args.q_map, 0, sizeof(args.q_map));
   args.q_by_tma = 0;
   const bool narrow = Tr::kNarrowRows > 0 && params.q_rows_per_head_k <= Tr::kNarrowRows;
-  args.kv_multicast = Tr::kMulticastPairs && !narrow && params.num_m_blocks % 2 == 0;
   if constexpr (Tr::kQByTma) {
     if (!narrow) args.q_by_tma = make_q_tensor_map<kFormat>(params, &args.q_map);
   }
@@ -616,8 +586,7 @@ void run_splitkv_mla(const DecodeParams& params) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",
                "cudaFuncSetAttribute");
     launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
-                    dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args.kv_multicast ? 2 : 1,
-                    args);
+                    dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
   };
   if constexpr (Tr::kNarrowRows > 0) {
     if (narrow) {

@@ -107,9 +107,6 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr bool kVNeedsTranspose = false;  // bf16 WGMMA reads MN-major B directly
   static constexpr bool kUsesDescale = false;      // no descale_q / descale_k
   static constexpr bool kScaleGroups = false;      // fp8_ds_mla's per-group scales (design A)
-  // 64-row kernel: K pages multicast to the two CTAs of consecutive m-blocks
-  // (SplitKvArgs::kv_multicast): each page crosses L2 once for both.
-  static constexpr bool kMulticastPairs = true;
   // TMA element type and swizzle of the K boxes (64 channels = 128 bytes).
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
@@ -231,7 +228,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = true;
   static constexpr bool kScaleGroups = false;
-  static constexpr bool kMulticastPairs = true;  // as bf16
   // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
@@ -343,7 +339,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
-  static constexpr bool kMulticastPairs = false;  // compute-bound: no gain from halving its L2 reads
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
