@@ -232,23 +232,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       issue_pv_smem(i, page_role, accumulate);
     }
   };
-  // bf16, WG0's page A: its own P V reads P_A from registers, so it is queued
-  // before P_A goes out to WG1 (store, fence, kPageAReady), and the tensor
-  // cores start it that much earlier. A partial page's stale V rows are
-  // zeroed first, behind a WG0-only barrier (its WGMMA reads every warp's rows).
-  auto publish_page_a_after_own_pv = [&](const auto& tP, int i, int page, const Chunk& c, const float (&factor)[2],
-                                         bool accumulate) __attribute__((always_inline)) {
-    if (c.end_token - page * kBlockN < kBlockN) {
-      zero_stale_v(i, page, c);
-      fence_proxy_async_smem();
-      named_barrier_sync(NamedBarriers::kOwnRowsZeroed, 128);
-    }
-    accumulate_own_page(tP, i, 0, factor, accumulate);
-    store_p(tP, i, 0);
-    stamp(args, wg, i, event_trace::kPairStored);
-    fence_proxy_async_smem();
-    named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
-  };
   static_assert(Tr::kPInRopeSlab || Tr::kNumPTiles == 2, "P_A and P_B need tiles of their own");
   auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
                           const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
@@ -328,11 +311,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         row_max(tSrS, page_max);
         softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
         publish_max(softmax, plan.ref_max[0]);
-        if constexpr (Tr::kOwnPInRegisters) {
-          publish_page_a_after_own_pv(tSrS, ia, page, c, factor, accumulate);
-        } else {
-          publish_page(tSrS, ia, page, 0, c, factor, accumulate);
-        }
+        publish_page(tSrS, ia, page, 0, c, factor, accumulate);
         stamp(args, 0, ia, event_trace::kPairAReady);
         accumulate = true;
         if (has_b) {

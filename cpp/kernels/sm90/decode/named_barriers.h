@@ -27,7 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  kOwnRowsZeroed = 12,  // bf16: WG0 (128 threads) zeroed page A's stale V rows before its own P V
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {
