@@ -357,8 +357,8 @@ struct SplitKvMlaKernel {
   __device__ static void consumer_narrow(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
                                          int wg, int tid);
   template <class FragO>
-  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int wg,
-                                         int tid, bool has_pages, const float (&m_ref)[4],
+  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int parity, int head_k,
+                                         int wg, int tid, bool has_pages, const float (&m_ref)[4],
                                          const float (&l_part)[4], FragO& tOrO, float logit_scale, float scale_log2,
                                          float out_scale);
   // The chunk's end (epilogue.cuh): the row sums of both WGs meet, then O is
