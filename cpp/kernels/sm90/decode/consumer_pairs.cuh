@@ -153,10 +153,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // page's shared tile, its columns in V^T's token order.
   auto store_p = [&](const auto& tP, int i, int page_role) {
     if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      // The swizzle in the layout, not in the pointer: CuTe swizzles a
-      // pointer's address bits through an integer, after which the compiler
-      // no longer knows it is shared memory (generic 64-bit stores).
-      Tensor sP = as_position_independent_swizzle_tensor(p_tile(i, page_role));
+      Tensor sP = p_tile(i, page_role);
       CUTE_UNROLL
       for (int v = 0; v < size(tP); v += 2) {
         *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))))) =
@@ -202,8 +199,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
       if (first >= kBlockN) return;
-      Tensor sK = as_position_independent_swizzle_tensor(
-          make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
+      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
       for (int j = tid; j < (kBlockN - first) * kPiecesPerRow; j += 128) {
         const int t = first + j / kPiecesPerRow;

@@ -372,10 +372,7 @@ struct SplitKvMlaKernel {
 
   __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
     const DecodeParams& p = args.params;
-    // The 1 KB round-up of the dynamic shared memory base is pointer arithmetic on smem_raw itself, not an
-    // integer round trip: the compiler then still knows that every tile is shared memory and emits STS / LDS
-    // with 32-bit addresses instead of generic ST / LD with 64-bit ones (the bf16 P stores, the row maxima).
-    Plan& plan = *reinterpret_cast<Plan*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+    Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     const int warp = threadIdx.x / 32;
     const int head_k = blockIdx.y;
     const int m_block = blockIdx.z;
