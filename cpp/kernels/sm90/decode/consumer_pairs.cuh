@@ -153,29 +153,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // page's shared tile, its columns in V^T's token order.
   auto store_p = [&](const auto& tP, int i, int page_role) {
     if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      // By stmatrix: a thread's two values of row lane / 4 (+ 8 for row half
-      // h) and tokens 8j + 2 (lane % 4) + {0, 1}, packed in one b32, are its
-      // element of the 8x8 b16 tile (h, j); one stmatrix.x4 stores the tiles
-      // h = 0, 1 of token blocks j = 2k and 2k + 1, lane l addressing row
-      // l % 8 of tile l / 8. (The swizzle goes into the layout, in elements:
-      // SmemLayoutP's own acts on byte addresses.)
-      const auto layout_p = as_position_independent_swizzle_layout(typename Tr::SmemLayoutP{});
-      const uint32_t base = smem_addr(raw_pointer_cast(p_tile(i, page_role).data()));
-      const int m = lane / 8;
-      const int row = 16 * (tid / 32) + 8 * (m % 2) + lane % 8;
+      Tensor sP = p_tile(i, page_role);
       CUTE_UNROLL
-      for (int k = 0; k < kBlockN / 16; ++k) {
-        uint32_t words[4];
-        CUTE_UNROLL
-        for (int t = 0; t < 4; ++t) {
-          const int v = 4 * (2 * k + t / 2) + 2 * (t % 2);  // tile (h, j) = (t % 2, 2k + t / 2)
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(tP(v), tP(v + 1));
-          words[t] = reinterpret_cast<const uint32_t&>(pair);
-        }
-        const uint32_t addr = base + uint32_t(layout_p(row, 8 * (2 * k + m / 2))) * uint32_t(sizeof(Element));
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-                     "r"(words[0]), "r"(words[1]), "r"(words[2]), "r"(words[3])
-                     : "memory");
+      for (int v = 0; v < size(tP); v += 2) {
+        *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))))) =
+            __floats2bfloat162_rn(tP(v), tP(v + 1));
       }
     } else {
       static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
@@ -217,8 +199,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
       if (first >= kBlockN) return;
-      Tensor sK = as_position_independent_swizzle_tensor(
-          make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
+      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
       for (int j = tid; j < (kBlockN - first) * kPiecesPerRow; j += 128) {
         const int t = first + j / kPiecesPerRow;
@@ -404,57 +385,39 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 1, ia, event_trace::kPairAReady);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
         adopt_max(softmax, plan.ref_max[0], factor);
+        rescale_o(factor);
+        issue_pv_smem(ia, 0, accumulate);
+        accumulate = true;
+        if (has_b) {
+          softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
+          publish_max(softmax, plan.ref_max[1]);
+        }
+        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
+        // its last reader, the last pair's P_B V_B,L, retired before
+        // kPageAReady). P_A V_A,R retires before O is rescaled.
+        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
+        // gain from publishing it early: experiment pbearly, session 15.)
         if constexpr (Tr::kPInRopeSlab) {
-          // bf16: the softmax of B comes before P_A V_A,R is issued. Issued
-          // first, its four k-steps queue behind WG0's P_A V_A,L and hold this
-          // warpgroup in the WGMMA issue loop, and kPageBReady (which WG0
-          // passes before it hands page A's left part back) comes that much
-          // later. P_B goes out behind the issue, while P_A V_A,R runs (its
-          // tile was last read by the last pair's P_B V_B,L, retired before
-          // kPageAReady).
-          static_assert(!Tr::kVNeedsTranspose && !kEarlyS, "bf16's slots go back after their P V");
-          float factor_b[2];
-          if (has_b) {
-            softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor_b);
-            publish_max(softmax, plan.ref_max[1]);
-          }
-          rescale_o(factor);
-          issue_pv_smem(ia, 0, accumulate);
-          accumulate = true;
           if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
           stamp(args, 1, ia, event_trace::kPairBReady);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          release(ia);
-          if (has_b) {
-            accumulate_own_page(tSrSb, ib, 1, factor_b, true);
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            release(ib);
-          }
-        } else {
-          rescale_o(factor);
-          issue_pv_smem(ia, 0, accumulate);
-          accumulate = true;
-          if (has_b) {
-            softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
-            publish_max(softmax, plan.ref_max[1]);
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          if constexpr (!Tr::kVNeedsTranspose) release(ia);
-          if (has_b) {
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        stamp(args, 1, ia, event_trace::kPairPvRetired);
+        if constexpr (!Tr::kVNeedsTranspose) release(ia);
+        if (has_b) {
+          if constexpr (Tr::kPInRopeSlab) {
+            accumulate_own_page(tSrSb, ib, 1, factor, true);
+          } else {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
             stamp(args, 1, ia, event_trace::kPairBReady);
-            if (kEarlyS && next_has_b) {
-              issue_s(ib + 2, Tr::kBRightFirst);
-            } else {
-              warpgroup_wait<0>();
-              warpgroup_fence_operand(tOrO);
-              if constexpr (!Tr::kVNeedsTranspose) release(ib);
-            }
+          }
+          if (kEarlyS && next_has_b) {
+            issue_s(ib + 2, Tr::kBRightFirst);
+          } else {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);
           }
         }
         stamp(args, 1, ia, event_trace::kPairEnd);
