@@ -78,10 +78,10 @@ enum ProducerEvent : int {
 #if defined(JAX_FLASH_MLA_EVENT_TRACE) && defined(__CUDACC__)
 // One thread per warpgroup stamps (its first thread), as a predicated store inside one asm block: a branch around
 // it, next to WGMMAs in flight, would make ptxas serialize them (C7514).
-// The clock is read behind a shared-memory load it depends on (a predicate on the loaded word, whose value does not
-// matter): a bar.sync compiles to BAR.SYNC.DEFER_BLOCKING, and a clock read right behind it may issue before the
-// barrier completes (session 21's traces had a WG stamp "passed kPageBReady" before the other WG's P_B store), while
-// a load behind a barrier waits for it.
+// The clock read waits for a shared-memory load of an arbitrary word: a bar.sync compiles to
+// BAR.SYNC.DEFER_BLOCKING, and a clock read right behind it may issue before the barrier completes (session 21's
+// traces had a WG stamp "past kPageBReady" before the other WG stored P_B), while a load behind it waits. ptxas
+// keeps the clock read after the compare on the loaded word (SASS: LDS, ISETP, CS2R, SEL), and issue is in order.
 __device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int event) {
   const uint32_t on = uint32_t(buf != nullptr) & uint32_t(threadIdx.x % 128 == 0) & uint32_t(blockIdx.y == 0) &
                       uint32_t(blockIdx.z == 0) & uint32_t(blockIdx.x < kCtas) & uint32_t(uint32_t(page) < kPages);
@@ -89,7 +89,8 @@ __device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int eve
   asm volatile(
       "{\n .reg .pred p, q;\n .reg .u64 t;\n .reg .b32 a, v;\n mov.u32 a, 0;\n"
       " ld.volatile.shared.b32 v, [a];\n setp.ne.b32 q, v, 0x7f7f7f7f;\n"
-      " @q mov.u64 t, %%clock64;\n @!q mov.u64 t, 1;\n setp.ne.u32 p, %0, 0;\n @p st.global.u64 [%1], t;\n}\n" ::"r"(on),
+      " @q mov.u64 t, %%clock64;\n @!q mov.u64 t, 1;\n"
+      " setp.ne.u32 p, %0, 0;\n @p st.global.u64 [%1], t;\n}\n" ::"r"(on),
       "l"(buf + idx)
       : "memory");
 }
