@@ -43,7 +43,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const SplitKvArgs&
   // Opaque to the compiler: the addresses below are recomputed per chunk
   // rather than hoisted out of the chunk loop into registers (which spilled).
   asm volatile("" : "+r"(ctid));
-  Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
+  // The swizzle in the layout: CuTe's swizzled pointers lose the shared address space (generic stores).
+  Tensor sQR = as_position_independent_swizzle_tensor(
+      make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{}));
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + batch * p.q_batch_stride;
   const int row = ctid / Tr::kNumGroups;
   const int g = ctid % Tr::kNumGroups;

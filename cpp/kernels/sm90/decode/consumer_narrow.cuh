@@ -118,7 +118,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   // parity of the previous one when the other WG's fill between them had not
   // landed yet: with 3 stages every second use of a slot was such a wait.)
   uint32_t full_phase_bits = 0;
-  int chunk_parity = 0;  // which copy of the exchange's sums and maxima the chunk uses
   for_each_chunk(p, walk, [&](const Chunk& c) {
     if constexpr (kGroups) {
       load_q_ds(args, plan, c.batch, head_k, 0, ctid, 0);
@@ -376,9 +375,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
     }
     Chunk ce = c;
     ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
-    epilogue_narrow(p, plan, ce, chunk_parity, head_k, wg, tid, num_pages > wg, m_ref, l_part, tOrO, logit_scale,
-                    scale_log2, out_scale);
-    chunk_parity ^= 1;
+    epilogue_narrow(p, plan, ce, head_k, wg, tid, num_pages > wg, m_ref, l_part, tOrO, logit_scale, scale_log2,
+                    out_scale);
   });
 }
 
@@ -389,7 +387,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
 template <config::KvFormat kFormat, bool kNarrow>
 template <class FragO>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const DecodeParams& p, Plan& plan,
-                                                                   const Chunk& c, int parity, int head_k, int wg,
+                                                                   const Chunk& c, int head_k, int wg,
                                                                    int tid, bool has_pages, const float (&m_ref)[4],
                                                                    const float (&l_part)[4], FragO& tOrO,
                                                                    float logit_scale, float scale_log2,
@@ -405,8 +403,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
     l += __shfl_xor_sync(0xffffffffu, l, 4);
     l += __shfl_xor_sync(0xffffffffu, l, 8);
     l += __shfl_xor_sync(0xffffffffu, l, 16);
-    if (lane < 4) x.l[parity][wg][warp][col_of(k4)] = has_pages ? l : 0.f;
-    if (warp == 0 && lane < 4) x.m[parity][wg][col_of(k4)] = has_pages ? m_ref[k4] : -INFINITY;
+    if (lane < 4) x.l[wg][warp][col_of(k4)] = has_pages ? l : 0.f;
+    if (warp == 0 && lane < 4) x.m[wg][col_of(k4)] = has_pages ? m_ref[k4] : -INFINITY;
   }
   // Value v of channel block b is tOrO(v + 8 b) of the (MMA, 8, 1) fragment;
   // WG w keeps blocks 4 w .. 4 w + 3 and gives the others. (Selected with
@@ -426,15 +424,15 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
   CUTE_UNROLL
   for (int k4 = 0; k4 < 4; ++k4) {
     const int col = col_of(k4);
-    const float m_own = x.m[parity][wg][col], m_other = x.m[parity][1 - wg][col];
+    const float m_own = x.m[wg][col], m_other = x.m[1 - wg][col];
     const float m = fmaxf(m_own, m_other);
     a_own[k4] = m_own == -INFINITY ? 0.f : exp2_ftz((m_own - m) * scale_log2);
     a_other[k4] = m_other == -INFINITY ? 0.f : exp2_ftz((m_other - m) * scale_log2);
     float l_own = 0.f, l_other = 0.f;
     CUTE_UNROLL
     for (int w = 0; w < 4; ++w) {
-      l_own += x.l[parity][wg][w][col];
-      l_other += x.l[parity][1 - wg][w][col];
+      l_own += x.l[wg][w][col];
+      l_other += x.l[1 - wg][w][col];
     }
     const float l = l_own * a_own[k4] + l_other * a_other[k4];
     // No visible key: out 0, lse +inf for a final result, -inf for a partial
@@ -480,10 +478,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
       }
     }
   }
-  // The next chunk's epilogue rewrites x.o (its sums and maxima go to the
-  // other copy). kQReady (load_q) already lies between, but racecheck reported
-  // these reads against those writes (session 8); a barrier right after the
-  // reads orders them directly.
+  // The next chunk's epilogue rewrites the exchange. kQReady (load_q)
+  // already lies between, but racecheck reported these reads against those
+  // writes (session 8); a barrier right after the reads orders them directly.
   named_barrier_sync(NamedBarriers::kExchangeRead, kConsumers);
 }
 

@@ -153,11 +153,29 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // page's shared tile, its columns in V^T's token order.
   auto store_p = [&](const auto& tP, int i, int page_role) {
     if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      Tensor sP = p_tile(i, page_role);
+      // By stmatrix: a thread's two values of row lane / 4 (+ 8 for row half
+      // h) and tokens 8j + 2 (lane % 4) + {0, 1}, packed in one b32, are its
+      // element of the 8x8 b16 tile (h, j); one stmatrix.x4 stores the tiles
+      // h = 0, 1 of token blocks j = 2k and 2k + 1, lane l addressing row
+      // l % 8 of tile l / 8. (The swizzle goes into the layout, in elements:
+      // SmemLayoutP's own acts on byte addresses.)
+      const auto layout_p = as_position_independent_swizzle_layout(typename Tr::SmemLayoutP{});
+      const uint32_t base = smem_addr(raw_pointer_cast(p_tile(i, page_role).data()));
+      const int m = lane / 8;
+      const int row = 16 * (tid / 32) + 8 * (m % 2) + lane % 8;
       CUTE_UNROLL
-      for (int v = 0; v < size(tP); v += 2) {
-        *reinterpret_cast<__nv_bfloat162*>(raw_pointer_cast(&sP(get<0>(tScS(v)), get<1>(tScS(v))))) =
-            __floats2bfloat162_rn(tP(v), tP(v + 1));
+      for (int k = 0; k < kBlockN / 16; ++k) {
+        uint32_t words[4];
+        CUTE_UNROLL
+        for (int t = 0; t < 4; ++t) {
+          const int v = 4 * (2 * k + t / 2) + 2 * (t % 2);  // tile (h, j) = (t % 2, 2k + t / 2)
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(tP(v), tP(v + 1));
+          words[t] = reinterpret_cast<const uint32_t&>(pair);
+        }
+        const uint32_t addr = base + uint32_t(layout_p(row, 8 * (2 * k + m / 2))) * uint32_t(sizeof(Element));
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                     "r"(words[0]), "r"(words[1]), "r"(words[2]), "r"(words[3])
+                     : "memory");
       }
     } else {
       static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
@@ -199,7 +217,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
       if (first >= kBlockN) return;
-      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
+      Tensor sK = as_position_independent_swizzle_tensor(
+          make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
       for (int j = tid; j < (kBlockN - first) * kPiecesPerRow; j += 128) {
         const int t = first + j / kPiecesPerRow;

@@ -357,8 +357,8 @@ struct SplitKvMlaKernel {
   __device__ static void consumer_narrow(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k,
                                          int wg, int tid);
   template <class FragO>
-  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int parity, int head_k,
-                                         int wg, int tid, bool has_pages, const float (&m_ref)[4],
+  __device__ static void epilogue_narrow(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int wg,
+                                         int tid, bool has_pages, const float (&m_ref)[4],
                                          const float (&l_part)[4], FragO& tOrO, float logit_scale, float scale_log2,
                                          float out_scale);
   // The chunk's end (epilogue.cuh): the row sums of both WGs meet, then O is
@@ -372,7 +372,10 @@ struct SplitKvMlaKernel {
 
   __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
     const DecodeParams& p = args.params;
-    Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    // The 1 KB round-up of the dynamic shared memory base is pointer arithmetic on smem_raw itself, not an
+    // integer round trip: the compiler then still knows that every tile is shared memory and emits STS / LDS
+    // with 32-bit addresses instead of generic ST / LD with 64-bit ones (the bf16 P stores, the row maxima).
+    Plan& plan = *reinterpret_cast<Plan*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
     const int warp = threadIdx.x / 32;
     const int head_k = blockIdx.y;
     const int m_block = blockIdx.z;

@@ -454,13 +454,12 @@ inline constexpr int kRows = 16;
 inline constexpr int kPtElems = kRows * decode_cfg::kBlockN;  // one P^T tile: 16 rows x 64 tokens
 // The chunk-end hand-off between the two WGs (epilogue_narrow): each gives the
 // other its O^T values of the other's 256 channels (4 m64 blocks x 8 values per
-// thread), its partial row sums per warp and its reference maxima. The sums
-// and maxima alternate between two copies by chunk parity, so a chunk's
-// writes never meet the previous chunk's reads of the same words.
+// thread), its partial row sums per warp and its reference maxima. A chunk's
+// writes follow the previous chunk's reads behind kExchangeRead.
 struct Exchange {
   float o[decode_cfg::kNumConsumerWGs][32][128];     // [from WG][value][thread]
-  float l[2][decode_cfg::kNumConsumerWGs][4][kRows];  // [chunk parity][WG][warp][query row]
-  float m[2][decode_cfg::kNumConsumerWGs][kRows];     // [chunk parity][WG][query row]
+  float l[decode_cfg::kNumConsumerWGs][4][kRows];    // [WG][warp][query row]
+  float m[decode_cfg::kNumConsumerWGs][kRows];       // [WG][query row]
 };
 }  // namespace narrow_cfg
 
@@ -476,7 +475,7 @@ struct NarrowMmas {
 };
 
 // fp8_per_tensor: Q 36864 (64 rows as load_q writes them; 16 are read) + K 4 x
-// 36864 + P^T 2 WGs x 2 parities x 1024 + exchange 34048 + column maxima 1024
+// 36864 + P^T 2 WGs x 2 parities x 1024 + exchange 33408 + column maxima 1024
 // + zero row + barriers, plus 1 KB of alignment slack.
 template <>
 struct NarrowTraits<config::KvFormat::kFp8PerTensor> : Traits<config::KvFormat::kFp8PerTensor>, NarrowMmas {
@@ -497,7 +496,7 @@ struct NarrowTraits<config::KvFormat::kFp8PerTensor> : Traits<config::KvFormat::
 };
 
 // fp8_ds_mla: Q NoPE 32768 + Q RoPE 8192 + K 3 x 41984 + P^T 2 WGs x 4 groups
-// x 2 parities x 1024 + exchange 34048 + q scales 256 + column maxima 1024 +
+// x 2 parities x 1024 + exchange 33408 + q scales 256 + column maxima 1024 +
 // zero row + barriers, plus 1 KB of alignment slack.
 template <>
 struct NarrowTraits<config::KvFormat::kFp8DsMla> : Traits<config::KvFormat::kFp8DsMla>, NarrowMmas {
