@@ -6,8 +6,8 @@
 #   3. pytest with the GPU tests required (JAX_FLASH_MLA_REQUIRE_GPU=1: a skip becomes a failure), over
 #      PYTEST_WORKERS processes (pytest-xdist, when installed) that share the GPU: the tests' time goes mostly into
 #      drawing and quantizing inputs on the CPU; -rP shows what the accuracy tests print
-#   4. python -m jax_flash_mla.bench; compute-sanitizer memcheck and racecheck (our kernels only) on
-#      tests/gpu_sanitize.py; python -m jax_flash_mla.accuracy; scripts/gpu_serving_check.py (if present)
+#   4. python -m jax_flash_mla.bench; compute-sanitizer memcheck, racecheck and synccheck (the last two on our
+#      kernels only) on tests/gpu_sanitize.py; python -m jax_flash_mla.accuracy; scripts/gpu_serving_check.py (if present)
 #   5. a summary table, printed last ($OUT brings back at most 8 files: keep the logs few)
 # The machine has no network: nothing is downloaded. Wheels carried in .whl/ are installed with --no-index.
 # Exit status: non-zero when any step failed.
@@ -147,6 +147,10 @@ if [[ ${SKIP_SANITIZE:-0} != 1 ]] && command -v compute-sanitizer > /dev/null; t
     SANITIZE_FORMATS=$f run_step "memcheck $f" sanitize.log 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
       "$PY" tests/gpu_sanitize.py
     SANITIZE_FORMATS=$f run_step "racecheck $f" sanitize.log 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
+      --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py
+    # Barriers used against their PTX contract (session 22: an aligned bar.sync that the two warpgroups pass at
+    # different instructions).
+    SANITIZE_FORMATS=$f run_step "synccheck $f" sanitize.log 150 compute-sanitizer --tool synccheck --error-exitcode 1 \
       --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py
   done
 fi

@@ -1,8 +1,9 @@
-"""A tiny decode for compute-sanitizer (memcheck, racecheck), to be run by scripts/gpu_check.sh as
+"""A tiny decode for compute-sanitizer (memcheck, racecheck, synccheck), to be run by scripts/gpu_check.sh as
 
     compute-sanitizer --tool memcheck python3 tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck --kernel-name kns=splitkv_mla_kernel python3 tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck --kernel-name kns=combine_kernel python3 tests/gpu_sanitize.py
+    compute-sanitizer --tool synccheck --kernel-name kns=splitkv_mla_kernel python3 tests/gpu_sanitize.py
 
 (racecheck over the whole JAX program instruments every XLA kernel too and did not finish in 100 s on the H200;
 the kernel-name filter instruments only ours.) scripts/gpu_compare.sh also runs it without a sanitizer, as each
