@@ -282,7 +282,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
           page_max[k4] = m;
           if (lane < 4) xmax[warp][col_of(k4)] = m;
         }
-        named_barrier_sync(NamedBarriers(int(NamedBarriers::kNarrowMax0) + wg), 128);
+        named_barrier_sync(wg_barrier(NamedBarriers::kNarrowMax0, wg), 128);
         CUTE_UNROLL
         for (int k4 = 0; k4 < 4; ++k4) {
           CUTE_UNROLL
@@ -336,7 +336,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         store_pt(smem_addr(plan.p[wg][parity]), [](int) { return 1.f; });
       }
       fence_proxy_async_smem();
-      named_barrier_sync(NamedBarriers(int(NamedBarriers::kNarrowP0) + wg), 128);
+      named_barrier_sync(wg_barrier(NamedBarriers::kNarrowP0, wg), 128);
 
       // ---- O^T (+)= V^T P^T: channel block mb with its group's P^T tile.
       auto pt_tile = [&](int mb) {
@@ -373,8 +373,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
     // exchange below as a hazard when the counts differ (scripts/racecheck_probe.cu,
     // case 5 against 7).
     if (wg == 1 && (num_pages & 1)) {
-      named_barrier_sync(NamedBarriers(int(NamedBarriers::kNarrowMax0) + 1), 128);
-      named_barrier_sync(NamedBarriers(int(NamedBarriers::kNarrowP0) + 1), 128);
+      named_barrier_sync(wg_barrier(NamedBarriers::kNarrowMax0, 1), 128);
+      named_barrier_sync(wg_barrier(NamedBarriers::kNarrowP0, 1), 128);
     }
     it += num_pages;
     if constexpr (kGroups) {

@@ -173,9 +173,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           words[t] = reinterpret_cast<const uint32_t&>(pair);
         }
         const uint32_t addr = base + uint32_t(layout_p(row, 8 * (2 * k + m / 2))) * uint32_t(sizeof(Element));
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-                     "r"(words[0]), "r"(words[1]), "r"(words[2]), "r"(words[3])
-                     : "memory");
+        stmatrix_x4(addr, words[0], words[1], words[2], words[3]);
       }
     } else {
       static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);

@@ -12,6 +12,7 @@
 #include <cute/tensor.hpp>
 
 #include "kernels/sm90/decode/named_barriers.h"
+#include "kernels/sm90/decode/smem_matrix.h"
 #include "kernels/sm90/decode/traits.h"
 
 namespace jax_flash_mla::sm90 {
@@ -59,11 +60,8 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
   CUTE_UNROLL
   for (int pair = 0; pair < kTokenGroups / 2; ++pair) {
     const int col = 16 * (first_group + 2 * pair + m / 2);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     p_tile + uint32_t(layout_p(row, col))),
-                 "r"(words[0][2 * pair]), "r"(words[1][2 * pair]), "r"(words[0][2 * pair + 1]),
-                 "r"(words[1][2 * pair + 1])
-                 : "memory");
+    stmatrix_x4(p_tile + uint32_t(layout_p(row, col)), words[0][2 * pair], words[1][2 * pair],
+                words[0][2 * pair + 1], words[1][2 * pair + 1]);
   }
 }
 
@@ -139,10 +137,7 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
       block_origin(first + b, ch0, t0);
       const uint32_t o0 = __byte_perm(d[b][0], d[b][1], sel_first), o1 = __byte_perm(d[b][0], d[b][1], sel_second);
       const uint32_t o2 = __byte_perm(d[b][2], d[b][3], sel_first), o3 = __byte_perm(d[b][2], d[b][3], sel_second);
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                       vt_base + uint32_t(layout_vt(ch0 + st_channel, t0))),
-                   "r"(o0), "r"(o1), "r"(o2), "r"(o3)
-                   : "memory");
+      stmatrix_x4(vt_base + uint32_t(layout_vt(ch0 + st_channel, t0)), o0, o1, o2, o3);
     }
   }
 }

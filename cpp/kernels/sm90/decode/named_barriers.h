@@ -29,6 +29,11 @@ enum class NamedBarriers : int {
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
 };
 
+// The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).
+__device__ __forceinline__ NamedBarriers wg_barrier(NamedBarriers base, int wg) {
+  return NamedBarriers(static_cast<int>(base) + wg);
+}
+
 __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_threads) {
   // "bar.sync a, b": b threads (a multiple of the warp size) must arrive.
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");

@@ -65,6 +65,7 @@
 #include "kernels/sm90/decode/fp8_smem.h"
 #include "kernels/sm90/decode/named_barriers.h"
 #include "kernels/sm90/decode/paged_kv_load.h"
+#include "kernels/sm90/decode/smem_matrix.h"
 #include "kernels/sm90/decode/softmax.h"
 #include "kernels/sm90/decode/splitkv_mla.h"
 #include "kernels/sm90/decode/traits.h"
