@@ -7,7 +7,8 @@
 #      PYTEST_WORKERS processes (pytest-xdist, when installed) that share the GPU: the tests' time goes mostly into
 #      drawing and quantizing inputs on the CPU; -rP shows what the accuracy tests print
 #   4. python -m jax_flash_mla.bench; compute-sanitizer memcheck, racecheck and synccheck (the last two on our
-#      kernels only) on tests/gpu_sanitize.py; python -m jax_flash_mla.accuracy; scripts/gpu_serving_check.py (if present)
+#      kernels only) on tests/gpu_sanitize.py; python -m jax_flash_mla.accuracy; scripts/gpu_serving_check.py
+#      (if present)
 #   5. a summary table, printed last ($OUT brings back at most 8 files: keep the logs few)
 # The machine has no network: nothing is downloaded. Wheels carried in .whl/ are installed with --no-index.
 # Exit status: non-zero when any step failed.
