@@ -234,7 +234,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     fence_proxy_async_smem();
     // Both WGs pass the ready barrier, so it also orders this WG's own
     // writes (P, zeroed V rows) before its WGMMA reads them.
-    named_barrier_sync(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady, kConsumers);
+    named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
+                                 kConsumers);
   };
   auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
                                  __attribute__((always_inline)) {
@@ -337,7 +338,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
           }
-          named_barrier_sync(NamedBarriers::kPageBReady, kConsumers);
+          named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
           // WG0 never reads page B's right part (P_B has its own tile); all
@@ -398,7 +399,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         } else {
           warpgroup_wait<0>();  // the last pair's P_B V_B,R
         }
-        named_barrier_sync(NamedBarriers::kPageAReady, kConsumers);
+        named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
         stamp(args, 1, ia, event_trace::kPairAReady);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
         adopt_max(softmax, plan.ref_max[0], factor);

@@ -39,6 +39,15 @@ __device__ __forceinline__ void named_barrier_sync(NamedBarriers id, int num_thr
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");
 }
 
+// The same barrier for threads that reach it from different instructions
+// (the page-pair hand-offs, which each WG passes in its own loop). bar.sync
+// is barrier.sync.aligned, whose threads must all execute the same
+// instruction (PTX ISA "barrier"); compute-sanitizer's synccheck reports
+// the split use as divergent threads. barrier.sync drops that requirement.
+__device__ __forceinline__ void named_barrier_sync_unaligned(NamedBarriers id, int num_threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");
+}
+
 // Makes this thread's generic-proxy shared-memory writes (st.shared) visible
 // to the async proxy (WGMMA operand reads, TMA): PTX ISA "membar/fence",
 // fence.proxy.async. Each writing thread issues it before the barrier that
