@@ -6,8 +6,9 @@
 // {64 ch, 1, 64 tokens, 1} at coordinates {64c, hk, 0, block_table[b][page]};
 // nine boxes cover the 576 channels. Each box lands as a contiguous slab with
 // the swizzle that the WGMMA descriptors of Traits expect: 8 KB with the
-// 128-byte swizzle for bf16, 4 KB with the 64-byte swizzle for e4m3. bf16 and
-// fp8_per_tensor load the two V halves as four-slab boxes of a second map.
+// 128-byte swizzle for bf16, 4 KB with the 64-byte swizzle for e4m3. Runs of
+// slabs go as one box of a second map (make_slab_tensor_map): a page takes
+// three TMA instructions.
 #pragma once
 
 #include <cstdint>
@@ -48,10 +49,10 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
 // The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
 // 4-8) part of a page, each on its own full barrier, so the consumers can
 // start S on one part while the other lands and hand the parts back apart.
-// A part's four V slabs are one box of `half_map` (make_half_tensor_map); the
-// right part's RoPE slab is one box of `map`.
+// A part's four V slabs are one box of `slab_map`; the right part's RoPE slab
+// is one box of `map`.
 template <class Traits>
-__device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const CUtensorMap* half_map,
+__device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const CUtensorMap* slab_map,
                                                   uint64_t* full_bar, typename Traits::Element* slot, int head_k,
                                                   int block, int part) {
   constexpr int kSlabElems = config::kPageSize * 64;
@@ -59,24 +60,23 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const 
   const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
   const int slabs = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs - decode_cfg::kLeftSlabs;
   mbarrier_arrive_expect_tx(full_bar, uint32_t(slabs * kSlabElems * sizeof(typename Traits::Element)));
-  tma_load_5d(half_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
+  tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
   if (part == 1) {
     constexpr int kRope = decode_cfg::kSlabs - 1;
     tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * 64, head_k, 0, block);
   }
 }
 
-// fp8_ds_mla (Traits<kFp8DsMla> has the slot plan): four 128-byte NoPE slabs
-// and the RoPE slab through the cache map, the scales through the scale map.
+// fp8_ds_mla (Traits<kFp8DsMla> has the slot plan): the four 128-byte NoPE
+// slabs as one box of `slab_map`, the RoPE slab through the cache map, the
+// scales through the scale map.
 template <class Traits>
-__device__ __forceinline__ void load_ds_page(const CUtensorMap* cache_map, const CUtensorMap* scale_map,
-                                             uint64_t* full_bar, typename Traits::Element* slot, int head_k,
-                                             int block) {
+__device__ __forceinline__ void load_ds_page(const CUtensorMap* cache_map, const CUtensorMap* slab_map,
+                                             const CUtensorMap* scale_map, uint64_t* full_bar,
+                                             typename Traits::Element* slot, int head_k, int block) {
+  static_assert(Traits::kSlabsPerBox == Traits::kNopeSlabs, "the NoPE part in one box");
   mbarrier_arrive_expect_tx(full_bar, Traits::kKTileBytes);
-#pragma unroll
-  for (int c = 0; c < Traits::kNopeSlabs; ++c) {
-    tma_load_4d(cache_map, full_bar, slot + c * Traits::kNopeSlabBytes, c * Traits::kTmaBoxElems, head_k, 0, block);
-  }
+  tma_load_5d(slab_map, full_bar, slot, 0, 0, 0, head_k, block);
   tma_load_4d(cache_map, full_bar, slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block);
   tma_load_4d(scale_map, full_bar, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block);
 }

@@ -81,9 +81,9 @@ struct SplitKvArgs {
   DecodeParams params;
   CUtensorMap k_map;
   CUtensorMap scale_map;  // fp8_ds_mla's token scales (zeros otherwise)
-  // bf16 / fp8_per_tensor: four slabs (a V half of the page) per box, so a
-  // page takes three TMA instructions instead of nine (zeros for fp8_ds_mla).
-  CUtensorMap half_map;
+  // Several slabs per box (make_slab_tensor_map): a V half of a page for bf16 /
+  // fp8_per_tensor, the four NoPE slabs for fp8_ds_mla.
+  CUtensorMap slab_map;
   // The query tile by TMA (q_by_tma, run_splitkv_mla decides): q as (channel,
   // head within the KV head's group, KV head, query token, batch), one box per
   // 64-channel slab of 64 rows. Otherwise (zeros) the consumers copy it.
@@ -193,7 +193,7 @@ struct SplitKvMlaKernel {
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
           stamp(args, 2, it, event_trace::kLeftIssued);
-          load_ds_page<Tr>(&args.k_map, &args.scale_map, &full, plan.k[stage], head_k, block);
+          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it;
           // with kBRightFirst the right part first for a pair's page B.
@@ -202,7 +202,7 @@ struct SplitKvMlaKernel {
             const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-            load_kv_page_part<Tr>(&args.k_map, &args.half_map, &full[part], plan.k[stage], head_k, block, part);
+            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
         if (page == c.first_page()) issue_q();
@@ -418,11 +418,8 @@ struct SplitKvMlaKernel {
     }
     if (threadIdx.x == kConsumers && p.num_blocks > 0) {
       tma_prefetch_descriptor(&args.k_map);
-      if constexpr (Tr::kScaleGroups) {
-        tma_prefetch_descriptor(&args.scale_map);
-      } else {
-        tma_prefetch_descriptor(&args.half_map);
-      }
+      tma_prefetch_descriptor(&args.slab_map);
+      if constexpr (Tr::kScaleGroups) tma_prefetch_descriptor(&args.scale_map);
       if constexpr (kQByTmaCapable) {
         if (args.q_by_tma) tma_prefetch_descriptor(&args.q_map);
       }
@@ -545,12 +542,13 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
   return map;
 }
 
-// bf16 / fp8_per_tensor: the cache as (channel within a 64-channel slab,
-// token-in-page, slab, head, block), boxes of 64 channels x 64 tokens x 4
-// slabs. A box lands slab after slab, each slab as a box of make_k_tensor_map
-// would (same bytes, same swizzle phase: slabs are 1 KB multiples).
+// The cache as (position within a slab, token-in-page, slab, head, block),
+// slabs being the cache map's boxes (64 channels; fp8_ds_mla: 128 bytes), so
+// one box of Tr::kSlabsPerBox slabs lands slab after slab, each as a box of
+// make_k_tensor_map would (same bytes, same swizzle phase: slabs are 1 KB
+// multiples). The map spans Tr::kSlabMapSlabs slabs of a token.
 template <config::KvFormat kFormat>
-CUtensorMap make_half_tensor_map(const DecodeParams& p) {
+CUtensorMap make_slab_tensor_map(const DecodeParams& p) {
   using Tr = Traits<kFormat>;
   constexpr int kElemBytes = sizeof(typename Tr::Element);
   CUtensorMap map;
@@ -559,12 +557,12 @@ CUtensorMap make_half_tensor_map(const DecodeParams& p) {
     return map;
   }
   const cuuint64_t dims[5] = {cuuint64_t(Tr::kTmaBoxElems), cuuint64_t(config::kPageSize),
-                              cuuint64_t(decode_cfg::kSlabs), cuuint64_t(p.num_heads_k), cuuint64_t(p.num_blocks)};
+                              cuuint64_t(Tr::kSlabMapSlabs), cuuint64_t(p.num_heads_k), cuuint64_t(p.num_blocks)};
   const cuuint64_t strides[4] = {cuuint64_t(p.k_token_stride) * kElemBytes, cuuint64_t(Tr::kTmaBoxElems) * kElemBytes,
                                  cuuint64_t(p.k_head_stride) * kElemBytes, cuuint64_t(p.k_block_stride) * kElemBytes};
   const cuuint32_t box[5] = {cuuint32_t(Tr::kTmaBoxElems), cuuint32_t(config::kPageSize),
-                             cuuint32_t(decode_cfg::kLeftSlabs), 1, 1};
-  detail::encode_tiled(&map, Tr::kTmaDataType, p.k_cache, dims, strides, box, Tr::kTmaSwizzle, "k_cache halves");
+                             cuuint32_t(Tr::kSlabsPerBox), 1, 1};
+  detail::encode_tiled(&map, Tr::kTmaDataType, p.k_cache, dims, strides, box, Tr::kTmaSwizzle, "k_cache slabs");
   return map;
 }
 
@@ -601,12 +599,11 @@ void run_splitkv_mla(const DecodeParams& params) {
   SplitKvArgs args;
   args.params = params;
   args.k_map = make_k_tensor_map<kFormat>(params, Tr::kTmaBoxElems, Tr::kTmaSwizzle);
+  args.slab_map = make_slab_tensor_map<kFormat>(params);
   if constexpr (Tr::kScaleGroups) {
     args.scale_map = make_k_tensor_map<kFormat>(params, Tr::kScaleRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
-    memset(&args.half_map, 0, sizeof(args.half_map));
   } else {
     memset(&args.scale_map, 0, sizeof(args.scale_map));
-    args.half_map = make_half_tensor_map<kFormat>(params);
   }
   memset(&args.q_map, 0, sizeof(args.q_map));
   args.q_by_tma = 0;

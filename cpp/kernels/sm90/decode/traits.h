@@ -111,6 +111,9 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
+  // make_slab_tensor_map: a page's V half (4 slabs) per box, over all 9 slabs.
+  static constexpr int kSlabsPerBox = decode_cfg::kLeftSlabs;
+  static constexpr int kSlabMapSlabs = decode_cfg::kSlabs;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
 
@@ -234,6 +237,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // 64-byte boxes: 576-byte rows stream as fast through them as through
   // 128-byte ones (scripts/tma_stream_bench.cu, docs/PERF.md session 10).
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
+  static constexpr int kSlabsPerBox = decode_cfg::kLeftSlabs;  // as bf16's
+  static constexpr int kSlabMapSlabs = decode_cfg::kSlabs;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
 
@@ -379,6 +384,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // then the scales (64 tokens x 16 bytes).
   static constexpr int kNopeSlabBytes = decode_cfg::kBlockN * kTmaBoxElems;
   static constexpr int kNopeSlabs = kHeadDimNope / kTmaBoxElems;       // 4, bytes 0..511 of a token
+  // make_slab_tensor_map: the NoPE slabs in one box (the RoPE slab, at byte 528, is not slab-aligned).
+  static constexpr int kSlabsPerBox = kNopeSlabs;
+  static constexpr int kSlabMapSlabs = kNopeSlabs;
   static constexpr int kRopeOffset = kNopeSlabs * kNopeSlabBytes;      // 32768
   static constexpr int kScaleOffset = kRopeOffset + decode_cfg::kBlockN * kHeadDimRope * 2;  // 40960
   static constexpr int kQSlabBytes = decode_cfg::kBlockM * 64;  // Q NoPE: 64 rows x 64 bytes per SW64 slab
