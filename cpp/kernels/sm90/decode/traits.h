@@ -168,10 +168,7 @@ struct Traits<config::KvFormat::kBf16> {
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
   // uniform datapath).
-  static constexpr bool kQByTma = true;
-  using QTmaElement = Element;
-  static constexpr CUtensorMapDataType kQTmaDataType = kTmaDataType;
-  static constexpr CUtensorMapSwizzle kQTmaSwizzle = kTmaSwizzle;
+  static constexpr bool kQByTma = false;
   // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
   // on M1 against 324-331 us here (session 8), the page loads bound it either way.
   static constexpr int kNarrowRows = 0;
@@ -198,13 +195,11 @@ struct Traits<config::KvFormat::kBf16> {
     // (transaction barrier); the part's consumer WG (4 warps) is done with it.
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    alignas(8) uint64_t q_full, q_empty;
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
-  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.q); }
 };
 
 // fp8_per_tensor: q and the cache are float8_e4m3fn, 576 bytes per token;
