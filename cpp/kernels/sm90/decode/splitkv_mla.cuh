@@ -517,6 +517,15 @@ void encode_tiled(CUtensorMap* map, CUtensorMapDataType type, const void* base, 
                              ") failed (" + std::to_string(int(r)) + ")");
 }
 
+// No page can be loaded (every sequence is empty): the kernel never touches
+// the cache's maps, and an encode of a 0-sized tensor would fail, so they
+// stay zero.
+inline bool zero_map_without_pages(const DecodeParams& p, CUtensorMap* map) {
+  if (p.num_blocks != 0) return false;
+  memset(map, 0, sizeof(*map));
+  return true;
+}
+
 }  // namespace detail
 
 // The cache as (channel, head, token-in-page, block); strides in bytes.
@@ -526,12 +535,7 @@ CUtensorMap make_k_tensor_map(const DecodeParams& p, int box_elems, CUtensorMapS
   using Tr = Traits<kFormat>;
   constexpr int kElemBytes = sizeof(typename Tr::Element);
   CUtensorMap map;
-  if (p.num_blocks == 0) {
-    // No page can be loaded (every sequence is empty); the kernel never
-    // touches the map, and an encode of a 0-sized tensor would fail.
-    memset(&map, 0, sizeof(map));
-    return map;
-  }
+  if (detail::zero_map_without_pages(p, &map)) return map;
   // Elements per token row: 576 for bf16 / fp8_per_tensor, 656 bytes for fp8_ds_mla.
   const cuuint64_t dims[4] = {cuuint64_t(Tr::kBytesPerToken / kElemBytes), cuuint64_t(p.num_heads_k),
                               cuuint64_t(config::kPageSize), cuuint64_t(p.num_blocks)};
@@ -552,10 +556,7 @@ CUtensorMap make_slab_tensor_map(const DecodeParams& p) {
   using Tr = Traits<kFormat>;
   constexpr int kElemBytes = sizeof(typename Tr::Element);
   CUtensorMap map;
-  if (p.num_blocks == 0) {
-    memset(&map, 0, sizeof(map));
-    return map;
-  }
+  if (detail::zero_map_without_pages(p, &map)) return map;
   const cuuint64_t dims[5] = {cuuint64_t(Tr::kTmaBoxElems), cuuint64_t(config::kPageSize),
                               cuuint64_t(Tr::kSlabMapSlabs), cuuint64_t(p.num_heads_k), cuuint64_t(p.num_blocks)};
   const cuuint64_t strides[4] = {cuuint64_t(p.k_token_stride) * kElemBytes, cuuint64_t(Tr::kTmaBoxElems) * kElemBytes,
