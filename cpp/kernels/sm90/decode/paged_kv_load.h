@@ -57,6 +57,7 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const 
                                                   int block, int part) {
   constexpr int kSlabElems = config::kPageSize * 64;
   static_assert(decode_cfg::kSlabs == 2 * decode_cfg::kLeftSlabs + 1, "two V halves and the RoPE slab");
+  static_assert(Traits::kSlabsPerBox == decode_cfg::kLeftSlabs, "a V half per box of slab_map");
   const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
   const int slabs = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs - decode_cfg::kLeftSlabs;
   mbarrier_arrive_expect_tx(full_bar, uint32_t(slabs * kSlabElems * sizeof(typename Traits::Element)));
