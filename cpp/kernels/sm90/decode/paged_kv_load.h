@@ -55,7 +55,7 @@ template <class Traits>
 __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const CUtensorMap* slab_map,
                                                   uint64_t* full_bar, typename Traits::Element* slot, int head_k,
                                                   int block, int part) {
-  constexpr int kSlabElems = config::kPageSize * 64;
+  constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
   static_assert(decode_cfg::kSlabs == 2 * decode_cfg::kLeftSlabs + 1, "two V halves and the RoPE slab");
   static_assert(Traits::kSlabsPerBox == decode_cfg::kLeftSlabs, "a V half per box of slab_map");
   const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
@@ -64,7 +64,7 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const 
   tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
   if (part == 1) {
     constexpr int kRope = decode_cfg::kSlabs - 1;
-    tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * 64, head_k, 0, block);
+    tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
   }
 }
 
