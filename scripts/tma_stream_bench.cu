@@ -17,9 +17,6 @@
 // consumer warpgroup, taking alternate pages as consumer_narrow's WGs do; each
 // waits for its page, spins `hold` ns (the S^T that reads the slot), releases
 // the slot, then spins `work` ns (the rest of its page chain).
-#include <cuda.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -28,9 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_check.h"
+#include "bench_ptx.h"
 
-constexpr int kTokens = 64;
 constexpr int kMaxStages = 8;
 constexpr int kMaxWgs = 4;
 
@@ -55,41 +51,6 @@ struct Args {
   long long hold_cycles, work_cycles;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\nW_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra W_%=;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void bar_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tma_4d(const CUtensorMap* map, uint64_t* bar, void* dst, int c0, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3)
-      : "memory");
-}
-// The same copy with an L2 cache-eviction hint (PTX ISA "createpolicy").
-__device__ __forceinline__ void tma_4d_hint(const CUtensorMap* map, uint64_t* bar, void* dst, int c0, int c3,
-                                            uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3), "l"(policy)
-      : "memory");
-}
 __device__ __forceinline__ void load_box(const Args& a, const CUtensorMap* map, uint64_t* bar, void* dst, int c0,
                                          int c3, uint64_t policy) {
   if (a.evict_first) {
@@ -98,12 +59,6 @@ __device__ __forceinline__ void load_box(const Args& a, const CUtensorMap* map, 
     tma_4d(map, bar, dst, c0, c3);
   }
 }
-__device__ __forceinline__ void spin(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
-
 __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __grid_constant__ Args a) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* slots = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -129,13 +84,13 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
         const int block = a.table[begin + i];
         bar_wait(&empty[stage], ((i / a.stages) & 1) ^ 1);
         uint64_t* f = &full[(i % a.wgs) * kMaxStages + stage];
-        bar_expect_tx(f, uint32_t(kTokens * (a.main_boxes * a.box_bytes + a.tail_bytes)));
+        bar_expect_tx(f, uint32_t(kPageTokens * (a.main_boxes * a.box_bytes + a.tail_bytes)));
         uint8_t* slot = slots + stage * a.slot_bytes;
         for (int b = 0; b < a.main_boxes; ++b) {
-          load_box(a, &a.main_map, f, slot + b * kTokens * a.box_bytes, b * a.box_bytes, block, policy);
+          load_box(a, &a.main_map, f, slot + b * kPageTokens * a.box_bytes, b * a.box_bytes, block, policy);
         }
         if (a.tail_bytes > 0)
-          load_box(a, &a.tail_map, f, slot + a.main_boxes * kTokens * a.box_bytes, a.main_boxes * a.box_bytes, block,
+          load_box(a, &a.tail_map, f, slot + a.main_boxes * kPageTokens * a.box_bytes, a.main_boxes * a.box_bytes, block,
                    policy);
       }
     }
@@ -154,46 +109,11 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
   }
 }
 
-__global__ void fill_kernel(uint32_t* p, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = uint32_t(i * 2654435761u) ^ 0x3c3c3c3cu;  // not zeros: every byte varies
-}
-
-using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-static CUtensorMap make_map(EncodeFn enc, void* base, int row_bytes, int num_blocks, int box_bytes,
-                            int l2_promotion) {
-  CUtensorMap m;
-  const cuuint64_t dims[4] = {cuuint64_t(row_bytes), 1, kTokens, cuuint64_t(num_blocks)};
-  const cuuint64_t strides[3] = {cuuint64_t(row_bytes), cuuint64_t(row_bytes), cuuint64_t(row_bytes) * kTokens};
-  const cuuint32_t box[4] = {cuuint32_t(box_bytes), 1, kTokens, 1};
-  const cuuint32_t es[4] = {1, 1, 1, 1};
-  const CUtensorMapL2promotion promotion = l2_promotion == 256   ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-                                           : l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                           : l2_promotion == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
-                                                                 : CU_TENSOR_MAP_L2_PROMOTION_NONE;
-  const CUtensorMapSwizzle sw = box_bytes == 64    ? CU_TENSOR_MAP_SWIZZLE_64B
-                                : box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
-                                                   : CU_TENSOR_MAP_SWIZZLE_NONE;
-  CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                   sw, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::printf("cuTensorMapEncodeTiled failed (%d) for box %d\n", int(r), box_bytes);
-    std::exit(1);
-  }
-  return m;
-}
-
 int main(int argc, char** argv) {
   const bool l2_sweep = argc > 1 && std::string(argv[1]) == "l2";
   const int sequences = 128, pages_per_seq = 128, num_ctas = 132;
   const int pages = sequences * pages_per_seq;
-  EncodeFn enc = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&enc), 12000,
-                                         cudaEnableDefault, &q));
+  EncodeFn enc = tensor_map_encoder();
   int clock_khz = 0;
   CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   std::vector<int> table(pages);
@@ -202,7 +122,7 @@ int main(int argc, char** argv) {
   int* d_table = nullptr;
   CHECK(cudaMalloc(&d_table, pages * sizeof(int)));
   CHECK(cudaMemcpy(d_table, table.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
-  const size_t max_bytes = size_t(pages) * kTokens * 1152;  // bf16's rows are the longest
+  const size_t max_bytes = size_t(pages) * kPageTokens * 1152;  // bf16's rows are the longest
   void* cache = nullptr;
   CHECK(cudaMalloc(&cache, max_bytes));
   fill_kernel<<<1024, 256>>>(static_cast<uint32_t*>(cache), max_bytes / 4);
@@ -231,12 +151,12 @@ int main(int argc, char** argv) {
   for (const Config& c : sweep) {
     const int main_boxes = c.row_bytes / c.box_bytes;
     const int tail = c.row_bytes - main_boxes * c.box_bytes;
-    const int slot = ((kTokens * c.row_bytes + 1023) / 1024) * 1024;
+    const int slot = ((kPageTokens * c.row_bytes + 1023) / 1024) * 1024;
     const int smem = c.stages * slot + 1024 + (kMaxWgs + 1) * kMaxStages * 8;
     if (smem > 227 * 1024) continue;
     Args a{};
-    a.main_map = make_map(enc, cache, c.row_bytes, pages, c.box_bytes, c.l2_promotion);
-    a.tail_map = make_map(enc, cache, c.row_bytes, pages, tail > 0 ? tail : 16, c.l2_promotion);
+    a.main_map = make_page_map(enc, cache, c.row_bytes, pages, c.box_bytes, c.l2_promotion);
+    a.tail_map = make_page_map(enc, cache, c.row_bytes, pages, tail > 0 ? tail : 16, c.l2_promotion);
     a.evict_first = c.evict_first;
     a.table = d_table;
     a.pages_total = pages;
@@ -266,7 +186,7 @@ int main(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     const float us = times[times.size() / 2];
-    const double bytes = double(pages) * kTokens * c.row_bytes;
+    const double bytes = double(pages) * kPageTokens * c.row_bytes;
     std::printf("%5d %4d %6d %3d %6d %6d %5d %5d | %9.1f %9.0f\n", c.row_bytes, c.box_bytes, c.stages, c.wgs,
                 c.hold_ns, c.work_ns, c.l2_promotion, int(c.evict_first), us, bytes / us / 1e3);
   }
