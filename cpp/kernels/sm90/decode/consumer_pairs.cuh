@@ -17,11 +17,12 @@ namespace jax_flash_mla::sm90 {
 // softmax, the tensor cores work on the other's WGMMAs. Per pair:
 //   WG0: S_A -> softmax A, publish P_A, m_A (kPageAReady) -> P_A V_A,L
 //        -> [kPageBReady] -> rescale -> P_B V_B,L
-//   WG1: S_B -> softmax B against the last pair's reference (on a register
-//        copy of S_B: an accumulator written by other instructions while a
-//        WGMMA is in flight makes ptxas serialize every WGMMA, C7515)
-//        -> [kPageAReady] -> settled against m_A -> rescale -> P_A V_A,R,
-//        publish P_B, m_B (kPageBReady) -> retire -> rescale -> P_B V_B,R
+//   WG1: S_B -> [kPageAReady] -> rescale -> P_A V_A,R, softmax B (a
+//        register copy of S_B, as an accumulator written by other
+//        instructions while a WGMMA is in flight makes ptxas serialize
+//        every WGMMA, C7515) -> retire -> publish P_B, m_B (kPageBReady)
+//        -> rescale -> P_B V_B,R (bf16 publishes P_B, which has a tile of
+//        its own, before the retire)
 // WG w hands back part w of both slots (the left part holds V_L, the
 // right one V_R and RoPE); the other WG's reads of that part (its S) have
 // retired before the pair's ready barrier it passed.
@@ -385,7 +386,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           fence_proxy_async_smem();
         }
         Tensor tSrSb = make_fragment_like(tSrS);  // the softmax copy (see above)
-        float page_max[2], speculated_base[2], page_sum[2];
+        float page_max[2];
         if (has_b) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
@@ -395,12 +396,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
           mask(tSrSb, page + 1);
           row_max(tSrSb, page_max);
-          // The exponentials of B before m_A is known, against the reference
-          // this WG holds (the last pair's m_B): m_A equals it unless page A
-          // moved it, which the lazy rule makes rare; settle() below corrects
-          // the rows where it did. They run while WG0 computes the softmax
-          // of A, off the pair's chain.
-          softmax.template speculate<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, speculated_base, page_sum);
         } else {
           warpgroup_wait<0>();  // the last pair's P_B V_B,R
         }
@@ -408,28 +403,33 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 1, ia, event_trace::kPairAReady);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A retired before kPageAReady
         adopt_max(softmax, plan.ref_max[0], factor);
-        float factor_b[2];
-        if (has_b) {
-          softmax.template settle<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, speculated_base, page_sum,
-                                                        factor_b);
-        }
         rescale_o(factor);
         issue_pv_smem(ia, 0, accumulate);
         accumulate = true;
-        // P_B goes out while P_A V_A,R runs (its tile is not P_A's, and its
-        // last reader, the last pair's P_B V_B,L, retired before
-        // kPageAReady). P_A V_A,R retires before O is rescaled.
         if (has_b) {
+          softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
-          publish_p(tSrSb, ib, page + 1, 1, c);
         }
-        stamp(args, 1, ia, event_trace::kPairBReady);
+        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
+        // its last reader, the last pair's P_B V_B,L, retired before
+        // kPageAReady). P_A V_A,R retires before O is rescaled.
+        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
+        // gain from publishing it early: experiment pbearly, session 15.)
+        if constexpr (Tr::kPInRopeSlab) {
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+          stamp(args, 1, ia, event_trace::kPairBReady);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         stamp(args, 1, ia, event_trace::kPairPvRetired);
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
         if (has_b) {
-          accumulate_own_page(tSrSb, ib, 1, factor_b, true);
+          if constexpr (Tr::kPInRopeSlab) {
+            accumulate_own_page(tSrSb, ib, 1, factor, true);
+          } else {
+            publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+            stamp(args, 1, ia, event_trace::kPairBReady);
+          }
           if (kEarlyS && next_has_b) {
             issue_s(ib + 2, Tr::kBRightFirst);
           } else {

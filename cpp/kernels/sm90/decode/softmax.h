@@ -131,54 +131,6 @@ struct OnlineSoftmaxState {
     sum[0] += row_half_tree(s, 0, add_op);
     sum[1] += row_half_tree(s, 1, add_op);
   }
-
-  // update() in two halves, for a page whose exponentials can be computed
-  // before the reference the page must start from is known (page B of a
-  // pair, whose start is page A's reference, published by the other warpgroup).
-  // speculate() takes the current reference as that start: it turns `s` into
-  // probabilities against where that reference would move (`base`, exp2
-  // units) and returns their row sums; it changes no state.
-  template <int kLazyRescaleLog2, class Frag>
-  __device__ __forceinline__ void speculate(Frag& s, const float (&page_max)[2], float scale_log2, float (&base)[2],
-                                            float (&page_sum)[2]) const {
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      float ref = max[h];
-      move_reference<kLazyRescaleLog2>(ref, page_max[h], scale_log2, base[h]);
-    }
-    CUTE_UNROLL
-    for (int v = 0; v < cute::size(s); ++v) s(v) = exp2_ftz(fmaf(s(v), scale_log2, -base[fragment_row_half(v)]));
-    auto add_op = [](float a, float b) { return a + b; };
-    page_sum[0] = row_half_tree(s, 0, add_op);
-    page_sum[1] = row_half_tree(s, 1, add_op);
-  }
-
-  // ... and settle() folds the page in once the state holds the true start:
-  // as update() would (the same values and sums, bit for bit) when the
-  // reference moves to the same place, which the lazy rule makes the common
-  // case; otherwise the row's probabilities and sum are scaled to the true
-  // reference by exp2(speculated base - true base) (rare: only when the other
-  // page moved the reference). No WGMMA may be in flight: the correction
-  // branches per row.
-  template <int kLazyRescaleLog2, class Frag>
-  __device__ __forceinline__ void settle(Frag& s, const float (&page_max)[2], float scale_log2,
-                                         const float (&speculated_base)[2], float (&page_sum)[2],
-                                         float (&o_scale)[2]) {
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      float base;
-      o_scale[h] = move_reference<kLazyRescaleLog2>(max[h], page_max[h], scale_log2, base);
-      sum[h] *= o_scale[h];
-      if (base != speculated_base[h]) {
-        const float c = exp2_ftz(speculated_base[h] - base);
-        CUTE_UNROLL
-        for (int v = 0; v < cute::size(s); ++v)
-          if (fragment_row_half(v) == h) s(v) *= c;
-        page_sum[h] *= c;
-      }
-      sum[h] += page_sum[h];
-    }
-  }
 };
 
 }  // namespace jax_flash_mla::sm90
