@@ -163,7 +163,7 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr int kNumPTiles = 1;
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
-  static constexpr bool kBRightFirst = false;
+  static constexpr bool kBRightFirst = true;
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
