@@ -166,28 +166,12 @@ struct SplitKvMlaKernel {
   }
 
   // ---------------------------------------------------------------- producer
-  // One lane per slot part (kProducerLanes): lane `part` walks the CTA's
-  // pages and refills only that part of each slot, so each part goes out as
-  // soon as the consumers hand it back, whichever part they free first (with
-  // one lane, a part freed first waited behind the other's turn: bf16's
-  // page B, right part first, sent its left part ~370 ns after the right at
-  // C1 although the left was free ~140 ns earlier; docs/PERF.md session 23).
-  // Lane 0 also loads the chunks' Q tiles.
-  static constexpr int kProducerLanes = Tr::kScaleGroups ? 1 : 2;
-  // The lane's part, read from %tid.x where it is used: kept in a register
-  // across the page loop, it made ptxas spill values that the 24-register
-  // producer shares with the consumers.
-  __device__ static int producer_part() {
-    int tid;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-    return (tid / 32) & 1;
-  }
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k, int m_block) {
     const DecodeParams& p = args.params;
     int it = 0;     // pages issued by this CTA, across chunks (ring position)
     int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
-    if (producer_part() == 0) stamp_clocks(args, 0);
+    stamp_clocks(args, 0);
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
       // The chunk's Q tile goes out right after its first page (a hand-over's
@@ -196,7 +180,7 @@ struct SplitKvMlaKernel {
       // the last chunk's epilogue instead of following it.
       auto issue_q = [&] {
         if constexpr (kQByTmaCapable) {
-          if (producer_part() == 0 && args.q_by_tma) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
+          if (args.q_by_tma) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
         }
       };
       if (c.first_page() == c.end_page()) issue_q();
@@ -211,16 +195,21 @@ struct SplitKvMlaKernel {
           stamp(args, 2, it, event_trace::kLeftIssued);
           load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
-          const int part = producer_part();
-          mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
-          stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-          load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part], plan.k[stage], head_k, block, part);
+          // Left part first: the consumers release it first and S starts on it;
+          // with kBRightFirst the right part first for a pair's page B.
+          const bool page_b = Tr::kBRightFirst && ((page - c.first_page()) & 1);
+          for (int n = 0; n < 2; ++n) {
+            const int part = page_b ? 1 - n : n;
+            mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
+            stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
+            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part], plan.k[stage], head_k, block, part);
+          }
         }
         if (page == c.first_page()) issue_q();
       }
       ++chunk;
     });
-    if (producer_part() == 0) stamp_clocks(args, 1);
+    stamp_clocks(args, 1);
   }
 
   // The producer's TMA of a chunk's Q tile: nine boxes of 64 channels x 64
@@ -461,8 +450,7 @@ struct SplitKvMlaKernel {
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
-      if (threadIdx.x % 32 == 0 && threadIdx.x < kConsumers + 32 * kProducerLanes)
-        producer(args, plan, meta, head_k, m_block);
+      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
     }
   }
 };
