@@ -63,27 +63,44 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
       lse_off[h] = accum_row0 + r;
     }
   }
+  // The writes go out as whole 32-byte sectors of a row (bf16) or 64-byte
+  // runs (fp32): a thread holds 2 adjacent columns of a row per 8-column
+  // block b (value 4b + 2h + e of the fragment is row half h, column
+  // 8b + 2 (lane % 4) + e), so lanes q and q ^ 1 of a quad swap one pair of
+  // blocks b, b + 1: even q then holds columns 8b + 2q .. + 3, odd q
+  // 8b + 8 + 2 (q - 1) .. + 3, and the quad covers 16 adjacent columns with
+  // one store each. (Pairs of 4 or 8 bytes per lane left every sector half
+  // written and took twice the store instructions; a chunk end's writes
+  // drain slowly under the other SMs' page stream.)
   const int col0 = wg * decode_cfg::kHeadDimVPerWG;
-  if (direct) {
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);  // bf16 for every format
+  const bool odd = lane & 1;
+  const int quad_col = odd ? 8 + 2 * ((lane & 3) - 1) : 2 * (lane & 3);
+  constexpr int kBlocks = decltype(size(tOrO))::value / 4;
+  static_assert(kBlocks % 2 == 0, "8-column blocks in pairs");
+  CUTE_UNROLL
+  for (int b = 0; b < kBlocks; b += 2) {
     CUTE_UNROLL
-    for (int v = 0; v < size(tOrO); v += 2) {
-      const int h = fragment_row_half(v);
-      if (valid[h]) {
-        const int col = col0 + get<1>(tOcO(v));
-        // Select, not multiply: O is stale (never written) in a chunk without pages.
-        *reinterpret_cast<__nv_bfloat162*>(out + out_off[h] + col) =
-            seen[h] ? __floats2bfloat162_rn(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : __floats2bfloat162_rn(0.f, 0.f);
-      }
-    }
-  } else {
-    CUTE_UNROLL
-    for (int v = 0; v < size(tOrO); v += 2) {
-      const int h = fragment_row_half(v);
-      if (valid[h]) {
-        const int col = col0 + get<1>(tOcO(v));
-        *reinterpret_cast<float2*>(p.o_accum + out_off[h] + col) =
-            seen[h] ? make_float2(tOrO(v) * inv[h], tOrO(v + 1) * inv[h]) : make_float2(0.f, 0.f);
+    for (int h = 0; h < 2; ++h) {
+      const int v0 = 4 * b + 2 * h, v1 = v0 + 4;  // this row half's values in blocks b, b + 1
+      const int col = col0 + int(get<1>(tOcO(v0))) - 2 * (lane & 3) + quad_col;
+      // Select, not multiply: O is stale (never written) in a chunk without pages.
+      const float x0 = seen[h] ? tOrO(v0) * inv[h] : 0.f, x1 = seen[h] ? tOrO(v0 + 1) * inv[h] : 0.f;
+      const float y0 = seen[h] ? tOrO(v1) * inv[h] : 0.f, y1 = seen[h] ? tOrO(v1 + 1) * inv[h] : 0.f;
+      if (direct) {
+        const __nv_bfloat162 xb = __floats2bfloat162_rn(x0, x1), yb = __floats2bfloat162_rn(y0, y1);
+        const uint32_t x = reinterpret_cast<const uint32_t&>(xb), y = reinterpret_cast<const uint32_t&>(yb);
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? x : y, 1);
+        if (valid[h]) {
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);  // bf16 for every format
+          *reinterpret_cast<uint2*>(out + out_off[h] + col) = odd ? make_uint2(got, y) : make_uint2(x, got);
+        }
+      } else {
+        const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
+        const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
+        if (valid[h]) {
+          *reinterpret_cast<float4*>(p.o_accum + out_off[h] + col) =
+              odd ? make_float4(g0, g1, y0, y1) : make_float4(x0, x1, g0, g1);
+        }
       }
     }
   }
