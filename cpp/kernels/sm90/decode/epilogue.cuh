@@ -69,9 +69,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
   // 8b + 2 (lane % 4) + e), so lanes q and q ^ 1 of a quad swap one pair of
   // blocks b, b + 1: even q then holds columns 8b + 2q .. + 3, odd q
   // 8b + 8 + 2 (q - 1) .. + 3, and the quad covers 16 adjacent columns with
-  // one store each. (Pairs of 4 or 8 bytes per lane left every sector half
-  // written and took twice the store instructions; a chunk end's writes
-  // drain slowly under the other SMs' page stream.)
+  // one store each. (Two columns per lane took twice the store
+  // instructions, and left every 32-byte sector of bf16 half written; a
+  // chunk end's writes drain slowly under the other SMs' page stream.)
   const int col0 = wg * decode_cfg::kHeadDimVPerWG;
   const bool odd = lane & 1;
   const int quad_col = odd ? 8 + 2 * ((lane & 3) - 1) : 2 * (lane & 3);
