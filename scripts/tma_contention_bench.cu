@@ -34,7 +34,7 @@ constexpr int kOperandBytes = 32 * 1024;
 
 enum Mma : int { kNone, kN32, kN64, kN256, kRs64, kNumMma };
 const char* kMmaNames[kNumMma] = {"none", "SS m64n32k32", "SS m64n64k32", "SS m64n256k32", "RS m64n64k32"};
-// Operand bytes read from shared memory per k-step, for the printout.
+// N of each chain's WGMMA (its FLOPs per k-step are 2 x 64 x N x 32).
 const int kMmaN[kNumMma] = {0, 32, 64, 256, 64};
 
 struct Args {
@@ -43,7 +43,7 @@ struct Args {
   int pages, main_boxes, box_bytes, tail_bytes, slot_bytes, stages, mma, runs;
   uint64_t* issue;                  // [cta][page] clock64 at the TMA issue
   uint64_t* land;                   // [cta][page] clock64 when the releaser saw it land
-  unsigned long long* batches;      // [cta] chain batches run by WG1
+  unsigned long long* batches;      // [cta] chain batches run by WG1 (WG2 runs as many, give or take one)
   unsigned long long* clocks;       // [cta][4] globaltimer and clock64 at the stream's start and end
 };
 
