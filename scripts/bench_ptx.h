@@ -10,7 +10,15 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cuda_check.h"
+// CHECK(call): print the CUDA error with its place and exit.
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e = (x);                                                                  \
+    if (e != cudaSuccess) {                                                               \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
 
 constexpr int kPageTokens = 64;
 
