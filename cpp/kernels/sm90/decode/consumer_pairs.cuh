@@ -449,7 +449,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
-    if (b < meta.end_batch) prefetch_q(args, plan, b + 1, head_k, m_block, ctid);
     epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }

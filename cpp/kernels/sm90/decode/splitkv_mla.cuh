@@ -240,9 +240,8 @@ struct SplitKvMlaKernel {
   // Row r of the tile is query token r / heads_per_head_k of head
   // hk * heads_per_head_k + r % heads_per_head_k (params.h); rows past
   // q_rows_per_head_k are zero-filled (their results are never stored).
-  // copy_q issues each consumer thread's cp.async pieces; wait_q_copy
-  // completes them for the WGMMAs (load_q does both).
-  __device__ static void copy_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block, int ctid) {
+  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
+                                int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
@@ -262,22 +261,14 @@ struct SplitKvMlaKernel {
                    "l"(src), "r"(valid ? 16 : 0)
                    : "memory");
     }
-  }
-  __device__ static void wait_q_copy() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
   }
-  __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
-                                int ctid) {
-    copy_q(p, plan, batch, head_k, m_block, ctid);
-    wait_q_copy();
-  }
 
   // The chunk's Q tile in shared memory for the consumers: from the
   // producer's TMA (load_q_tma) when kQByTmaCapable and args.q_by_tma, else
-  // copied by them; a CTA's later chunks had their copy issued at the last
-  // chunk's end (prefetch_q). After the wait both WGs meet, as after load_q:
+  // copied by them (load_q). After the wait both WGs meet, as after load_q:
   // the last chunk's epilogue has read the row sums that this one writes.
   __device__ static void acquire_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
                                    int ctid, int chunk) {
@@ -288,19 +279,7 @@ struct SplitKvMlaKernel {
         return;
       }
     }
-    if (chunk == 0) copy_q(args.params, plan, batch, head_k, m_block, ctid);
-    wait_q_copy();
-  }
-  // Consumer-copied Q: the next chunk's copy goes out at this chunk's end,
-  // once both WGs' WGMMAs have retired (after share_row_sums' barrier), so
-  // that it loads under this chunk's epilogue writes instead of after them
-  // (bf16 at C1: the epilogue ~6.6 us, then the Q load ~5 us; session 23's trace).
-  __device__ static void prefetch_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
-                                    int ctid) {
-    if constexpr (kQByTmaCapable) {
-      if (args.q_by_tma) return;
-    }
-    copy_q(args.params, plan, batch, head_k, m_block, ctid);
+    load_q(args.params, plan, batch, head_k, m_block, ctid);
   }
   // After the chunk's last WGMMA: this warp no longer reads what the next
   // chunk's Q TMA overwrites (Q; fp8_ds_mla: the V^T and P tiles).
