@@ -1,6 +1,7 @@
-// PTX helpers shared by the standalone measurement tools in scripts/ (tma_stream_bench.cu, fence_wgmma_bench.cu,
-// tma_contention_bench.cu), each built by one nvcc command on the GPU machine: mbarriers, TMA page loads through
-// a 4-D tensor map over 64-token pages, clocks, and FP8 WGMMAs whose operand values do not matter to the timing.
+// Helpers shared by the standalone measurement tools in scripts/ (tma_stream_bench.cu, fence_wgmma_bench.cu,
+// tma_contention_bench.cu), each built by one nvcc command on the GPU machine: the kernel's mbarriers, TMA page
+// loads through a 4-D tensor map over 64-token pages, clocks, and FP8 WGMMAs whose operand values do not matter to
+// the timing.
 #pragma once
 
 #include <cuda.h>
@@ -9,6 +10,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+
+// The decode kernel's own mbarrier helpers and shared-window addresses (smem_addr, mbarrier_init, mbarrier_wait,
+// mbarrier_arrive_if, mbarrier_arrive_expect_tx, fence_mbarrier_init): the benches measure the same primitives.
+#include "../cpp/kernels/sm90/decode/named_barriers.h"
+
+using namespace jax_flash_mla::sm90;
 
 // CHECK(call): print the CUDA error with its place and exit.
 #define CHECK(x)                                                                          \
@@ -22,9 +29,6 @@
 
 constexpr int kPageTokens = 64;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ uint64_t clock_now() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
@@ -41,29 +45,12 @@ __device__ __forceinline__ void spin(long long cycles) {
   }
 }
 
-__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\nW_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra W_%=;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void bar_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-
 // One box of a page map (make_page_map) into shared memory, completing `bytes` on the mbarrier.
 __device__ __forceinline__ void tma_4d(const CUtensorMap* map, uint64_t* bar, void* dst, int c0, int c3) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3)
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3)
       : "memory");
 }
 // The same copy with an L2 cache-eviction hint (PTX ISA "createpolicy").
@@ -71,8 +58,8 @@ __device__ __forceinline__ void tma_4d_hint(const CUtensorMap* map, uint64_t* ba
                                             uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3), "l"(policy)
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(0), "r"(0), "r"(c3), "l"(policy)
       : "memory");
 }
 

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(128, 1) fence_kernel(const uint8_t* init, uint
   for (int i = threadIdx.x; i < 3 * 8192; i += 128) tiles[i / 8192][i % 8192] = init[i];
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tiles));
+  const uint32_t base = smem_addr(tiles);
   const uint64_t a = descriptor(base), b = descriptor(base + 8192);
   float d[kN / 2];
   for (float& x : d) x = 0.f;

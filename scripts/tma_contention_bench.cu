@@ -93,7 +93,7 @@ __device__ unsigned long long run_chain(uint32_t a_base, uint32_t b_base, const 
 __global__ void __launch_bounds__(kThreads, 1) contention_kernel(const __grid_constant__ Args a, const uint8_t* init,
                                                                  float* sink) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* base = smem_raw + ((1024 - smem_u32(smem_raw) % 1024) % 1024);
+  uint8_t* base = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   uint8_t* operands = base;                        // A (16 k-steps x 64 rows x 32 bytes), then B
   uint8_t* slots = base + 2 * kOperandBytes;       // the page ring
   uint64_t* full = reinterpret_cast<uint64_t*>(slots + a.stages * a.slot_bytes);
@@ -103,11 +103,11 @@ __global__ void __launch_bounds__(kThreads, 1) contention_kernel(const __grid_co
     reinterpret_cast<uint4*>(operands)[i] = reinterpret_cast<const uint4*>(init)[i];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kMaxStages; ++s) {
-      bar_init(&full[s], 1);
-      bar_init(&empty[s], 1);
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], 1);
     }
     *stop = 0u;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kThreads, 1) contention_kernel(const __grid_co
       for (int i = 0; i < a.pages; ++i) {
         const int stage = i % a.stages;
         const int block = table[i];
-        bar_wait(&empty[stage], ((i / a.stages) & 1) ^ 1);
-        bar_expect_tx(&full[stage], bytes);
+        mbarrier_wait(&empty[stage], ((i / a.stages) & 1) ^ 1);
+        mbarrier_arrive_expect_tx(&full[stage], bytes);
         issue[i] = clock_now();
         uint8_t* slot = slots + stage * a.slot_bytes;
         for (int b = 0; b < a.main_boxes; ++b)
@@ -137,9 +137,9 @@ __global__ void __launch_bounds__(kThreads, 1) contention_kernel(const __grid_co
       const uint64_t ns0 = globaltimer_ns(), c0 = clock_now();
       for (int i = 0; i < a.pages; ++i) {
         const int stage = i % a.stages;
-        bar_wait(&full[stage], (i / a.stages) & 1);
+        mbarrier_wait(&full[stage], (i / a.stages) & 1);
         land[i] = clock_now();
-        bar_arrive(&empty[stage]);
+        mbarrier_arrive_if(&empty[stage], true);
       }
       const uint64_t ns1 = globaltimer_ns(), c1 = clock_now();
       *stop = 1u;
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) contention_kernel(const __grid_co
       c[3] = c1;
     }
   } else if (wg >= 1 && a.mma != kNone) {
-    const uint32_t a_base = smem_u32(operands), b_base = a_base + kOperandBytes;
+    const uint32_t a_base = smem_addr(operands), b_base = a_base + kOperandBytes;
     unsigned long long n = 0;
     switch (a.mma) {
       case kN32: n = run_chain<32, false>(a_base, b_base, stop, wg, sink); break;

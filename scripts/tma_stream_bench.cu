@@ -66,9 +66,9 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
   uint64_t* empty = full + kMaxWgs * kMaxStages;                                 // [stage]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kMaxWgs * kMaxStages; ++i) bar_init(&full[i], 1);
-    for (int s = 0; s < kMaxStages; ++s) bar_init(&empty[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int i = 0; i < kMaxWgs * kMaxStages; ++i) mbarrier_init(&full[i], 1);
+    for (int s = 0; s < kMaxStages; ++s) mbarrier_init(&empty[s], 1);
+    fence_mbarrier_init();
   }
   __syncthreads();
   // This CTA's run of logical pages.
@@ -82,16 +82,16 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
       for (int i = 0; i < count; ++i) {
         const int stage = i % a.stages;
         const int block = a.table[begin + i];
-        bar_wait(&empty[stage], ((i / a.stages) & 1) ^ 1);
+        mbarrier_wait(&empty[stage], ((i / a.stages) & 1) ^ 1);
         uint64_t* f = &full[(i % a.wgs) * kMaxStages + stage];
-        bar_expect_tx(f, uint32_t(kPageTokens * (a.main_boxes * a.box_bytes + a.tail_bytes)));
+        mbarrier_arrive_expect_tx(f, uint32_t(kPageTokens * (a.main_boxes * a.box_bytes + a.tail_bytes)));
         uint8_t* slot = slots + stage * a.slot_bytes;
         for (int b = 0; b < a.main_boxes; ++b) {
           load_box(a, &a.main_map, f, slot + b * kPageTokens * a.box_bytes, b * a.box_bytes, block, policy);
         }
         if (a.tail_bytes > 0)
-          load_box(a, &a.tail_map, f, slot + a.main_boxes * kPageTokens * a.box_bytes, a.main_boxes * a.box_bytes, block,
-                   policy);
+          load_box(a, &a.tail_map, f, slot + a.main_boxes * kPageTokens * a.box_bytes, a.main_boxes * a.box_bytes,
+                   block, policy);
       }
     }
   } else if (warp - 1 < a.wgs) {
@@ -99,11 +99,11 @@ __global__ void __launch_bounds__(32 * (1 + kMaxWgs), 1) stream_kernel(const __g
     uint32_t phase_bits = 0;
     for (int k = wg; k < count; k += a.wgs) {
       const int stage = k % a.stages;
-      bar_wait(&full[wg * kMaxStages + stage], (phase_bits >> stage) & 1u);
+      mbarrier_wait(&full[wg * kMaxStages + stage], (phase_bits >> stage) & 1u);
       phase_bits ^= 1u << stage;
       spin(a.hold_cycles);
       __syncwarp();
-      if (lane == 0) bar_arrive(&empty[stage]);
+      if (lane == 0) mbarrier_arrive_if(&empty[stage], true);
       spin(a.work_cycles);
     }
   }
