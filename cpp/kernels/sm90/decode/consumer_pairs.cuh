@@ -321,15 +321,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         if constexpr (Tr::kPInRopeSlab) release_part(ia, 1);  // S_A was WG0's last read of A's right part
         mask(tSrS, page);
-        // The exponentials go out against the running reference while the
-        // row-max tree and its shuffles run (OnlineSoftmaxState::speculate).
-        Tensor tPa = make_fragment_like(tSrS);
-        float page_max[2], guess[2];
+        float page_max[2];
         row_max(tSrS, page_max);
-        softmax.speculate(tSrS, tPa, scale_log2, guess);
-        softmax.template settle<Tr::kLazyRescaleLog2>(tSrS, tPa, guess, page_max, scale_log2, factor);
+        softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
         publish_max(softmax, plan.ref_max[0]);
-        publish_page(tPa, ia, page, 0, c, factor, accumulate);
+        publish_page(tSrS, ia, page, 0, c, factor, accumulate);
         stamp(args, 0, ia, event_trace::kPairAReady);
         accumulate = true;
         if (has_b) {

@@ -131,40 +131,6 @@ struct OnlineSoftmaxState {
     sum[0] += row_half_tree(s, 0, add_op);
     sum[1] += row_half_tree(s, 1, add_op);
   }
-
-  // update() in two steps, so that its exponentials need not wait for the
-  // page's maxima: speculate() writes p into a fragment of its own against
-  // the current reference (the bases it used go to `guess`), and the row-max
-  // tree and its shuffles run under it; settle() then moves the reference
-  // and recomputes from s the row halves whose reference moved. With the
-  // lazy rule the reference stays put on most pages, so most pages skip that
-  // pass; p and the state come out bit for bit as update()'s.
-  template <class FragS, class FragP>
-  __device__ __forceinline__ void speculate(const FragS& s, FragP& p, float scale_log2, float (&guess)[2]) const {
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) guess[h] = max[h] == -INFINITY ? 0.f : max[h] * scale_log2;
-    CUTE_UNROLL
-    for (int v = 0; v < cute::size(s); ++v) p(v) = exp2_ftz(fmaf(s(v), scale_log2, -guess[fragment_row_half(v)]));
-  }
-
-  template <int kLazyRescaleLog2 = 0, class FragS, class FragP>
-  __device__ __forceinline__ void settle(const FragS& s, FragP& p, const float (&guess)[2],
-                                         const float (&page_max)[2], float scale_log2, float (&o_scale)[2]) {
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      float base;
-      o_scale[h] = move_reference<kLazyRescaleLog2>(max[h], page_max[h], scale_log2, base);
-      sum[h] *= o_scale[h];
-      if (base != guess[h]) {
-        CUTE_UNROLL
-        for (int v = 0; v < cute::size(s); ++v)
-          if (fragment_row_half(v) == h) p(v) = exp2_ftz(fmaf(s(v), scale_log2, -base));
-      }
-    }
-    auto add_op = [](float a, float b) { return a + b; };
-    sum[0] += row_half_tree(p, 0, add_op);
-    sum[1] += row_half_tree(p, 1, add_op);
-  }
 };
 
 }  // namespace jax_flash_mla::sm90
