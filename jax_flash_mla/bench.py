@@ -27,7 +27,8 @@ out. The floor is max(bytes / copy bandwidth, FLOPs / GEMM rate of the format's 
 `--trace` runs each kernel case's loop once more under `jax.profiler.trace` and reports, from the profiler's (CUPTI)
 kernel records, the span of the decode's own kernels per call (splitkv_mla start to combine end: what a CUDA-event
 timing of the decode alone, as FlashMLA's benchmark does, sees) and the device's busy time per call (the loop's glue
-fusions included). The loop figure stays in the table: it is what a decode step inside a jitted program costs here.
+fusions included). The loop figure stays in the table: it is what this jitted loop pays a call, measured without the
+profiler, which sees a shorter period per call (docs/PERF.md, session 25: the difference is not yet explained).
 (combine starts early, by programmatic dependent launch, and its record includes its wait for splitkv_mla, so the
 kernels' durations are not summed.)
 """
