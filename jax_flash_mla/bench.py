@@ -27,10 +27,10 @@ out. The floor is max(bytes / copy bandwidth, FLOPs / GEMM rate of the format's 
 `--trace` runs each kernel case's loop once more under `jax.profiler.trace` and reports, from the profiler's (CUPTI)
 kernel records, the span of the decode's own kernels per call (splitkv_mla start to combine end: what a CUDA-event
 timing of the decode alone, as FlashMLA's benchmark does, sees) and the device's busy time per call (the loop's glue
-fusions included). The loop figure stays in the table: it is what this jitted loop pays a call, measured without the
-profiler, which sees a shorter period per call (docs/PERF.md, session 25: the difference is not yet explained).
-(combine starts early, by programmatic dependent launch, and its record includes its wait for splitkv_mla, so the
-kernels' durations are not summed.)
+fusions included; combine starts early, by programmatic dependent launch, and its record includes its wait for
+splitkv_mla, so the kernels' durations are not summed). The loop figure stays in the table: it is what this jitted
+loop pays a call, measured without the profiler, which sees a shorter period per call (docs/PERF.md, session 25: the
+difference is not yet explained).
 """
 
 from __future__ import annotations
@@ -175,16 +175,45 @@ def _is_kernel(event) -> bool:
                                             or any(key in args for key in NOT_KERNEL_ARGS))
 
 
+def device_pids(events) -> set:
+    """The trace's GPU device processes (the host's events are on others)."""
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and e["args"]["name"].startswith("/device:GPU")}
+
+
+def busy_and_gaps(intervals, begin=None, end=None, min_gap=2.0):
+    """How long (start, duration, ...) intervals sorted by start cover of [begin, end) (default: from the first start
+    to the last end), overlaps counted once (combine overlaps splitkv_mla under programmatic dependent launch), and
+    the uncovered gaps in it longer than `min_gap`, as (offset from begin, length)."""
+    if begin is None:
+        begin = intervals[0][0] if intervals else 0.0
+    if end is None:
+        end = max((s + d for s, d, *_ in intervals), default=begin)
+    busy, gaps, cursor = 0.0, [], begin
+    for start, duration, *_ in intervals:
+        s, e = max(start, begin), min(start + duration, end)
+        if e <= cursor:
+            continue
+        if s > cursor:
+            if s - cursor > min_gap:
+                gaps.append((cursor - begin, s - cursor))
+            cursor = s
+        busy += e - cursor
+        cursor = e
+    if end - cursor > min_gap:
+        gaps.append((cursor - begin, end - cursor))
+    return busy, gaps
+
+
 def decode_kernel_times(events, iters: int) -> dict:
     """Device µs per call from the trace events of a loop of `iters` decode calls; NaNs without splitkv_mla launches.
 
-    span_us: median over calls from a call's splitkv_mla start to the end of its last decode kernel; gpu_busy_us: all
-    kernels of the device processes, the loop's glue included, / iters; splitkv_us / combine_us: median duration of
-    each kernel alone (combine: over the calls that launched one; NaN if none did). A call is one splitkv_mla launch
-    and the first combine launch after it, if any, before the next splitkv_mla.
+    span_us: median over calls from a call's splitkv_mla start to the end of its last decode kernel; gpu_busy_us: the
+    time the device processes' kernels cover (overlaps once), the loop's glue included, / iters; splitkv_us /
+    combine_us: median duration of each kernel alone (combine: over the calls that launched one; NaN if none did). A
+    call is one splitkv_mla launch and the first combine launch after it, if any, before the next splitkv_mla.
     """
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and e["args"]["name"].startswith("/device:GPU")}
+    devices = device_pids(events)
     kernels = sorted((e for e in events if e.get("ph") == "X" and e["pid"] in devices and _is_kernel(e)),
                      key=lambda e: e["ts"])
     calls = []  # each call's decode kernels
@@ -198,7 +227,7 @@ def decode_kernel_times(events, iters: int) -> dict:
     # Under programmatic dependent launch, combine starts before splitkv_mla ends: the span counts the overlap once.
     combines = [call[1]["dur"] for call in calls if len(call) == 2]
     return dict(span_us=float(np.median([max(e["ts"] + e["dur"] for e in call) - call[0]["ts"] for call in calls])),
-                gpu_busy_us=sum(e["dur"] for e in kernels) / iters,
+                gpu_busy_us=busy_and_gaps([(e["ts"], e["dur"]) for e in kernels])[0] / iters,
                 splitkv_us=float(np.median([call[0]["dur"] for call in calls])),
                 combine_us=float(np.median(combines)) if combines else math.nan)
 

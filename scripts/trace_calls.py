@@ -1,7 +1,7 @@
 """Where a jitted decode loop's time per call goes, from the profiler trace that `bench --trace` wrote.
 
-The bench's loop figure per call is 50-150 µs above the decode kernels' span (docs/PERF.md, session 25) although the
-loop's own glue, timed alone, costs ~20 µs. This prints, for a few consecutive calls in the middle of the traced loop,
+The bench's loop figure per call is 13-140 µs above the decode kernels' span (docs/PERF.md, session 25) although the
+loop's own glue, timed alone, costs 14-25 µs. This prints, for a few consecutive calls in the middle of the traced loop,
 every device event (kernels, copies, memsets) against the call's splitkv_mla start, and per call the period (from
 one splitkv_mla start to the next), the span (splitkv_mla start to the end of its combine), the device's busy time
 within the period and the idle gaps longer than 2 µs.
@@ -18,34 +18,15 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_flash_mla.bench import trace_events  # noqa: E402
+from jax_flash_mla.bench import busy_and_gaps, device_pids, trace_events  # noqa: E402
 
 
 def device_events(events):
     """Complete ("X") events of the GPU device processes, sorted by start: (start µs, duration µs, name)."""
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and e["args"]["name"].startswith("/device:GPU")}
+    devices = device_pids(events)
     out = [(float(e["ts"]), float(e["dur"]), e["name"]) for e in events
            if e.get("ph") == "X" and e["pid"] in devices]
     return sorted(out)
-
-
-def busy_and_gaps(intervals, begin, end, min_gap=2.0):
-    """Union length of `intervals` clipped to [begin, end), and the idle gaps in it longer than `min_gap` µs."""
-    busy, gaps, cursor = 0.0, [], begin
-    for start, dur, _ in intervals:
-        s, e = max(start, begin), min(start + dur, end)
-        if e <= cursor:
-            continue
-        if s > cursor:
-            if s - cursor > min_gap:
-                gaps.append((cursor - begin, s - cursor))
-            cursor = s
-        busy += e - cursor
-        cursor = e
-    if end - cursor > min_gap:
-        gaps.append((cursor - begin, end - cursor))
-    return busy, gaps
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,8 @@ def test_calls_with_combine_and_glue():
     ]
     times = bench.decode_kernel_times(events, iters=3)
     assert times["span_us"] == 47.0  # median of 46, 52, 47 (not 49: the overlap counts once)
-    assert times["gpu_busy_us"] == 50.0  # (45 + 50 + 49 + 3 * 2) / 3: no memcpy, no host events
+    # (47 + 52 + 49) / 3: splitkv_mla + combine + glue per call, the third call's overlap once; no memcpy, no host
+    assert times["gpu_busy_us"] == 148.0 / 3
     assert times["splitkv_us"] == 42.0  # median of 40, 44, 42
     assert times["combine_us"] == 6.0  # median of 5, 6, 7
 
@@ -60,6 +61,15 @@ def test_call_without_combine():
     assert times["gpu_busy_us"] == 42.0  # (30 + 1 + 40 + 4 + 9) / 2
     assert times["splitkv_us"] == 35.0  # median of 30, 40
     assert times["combine_us"] == 4.0  # the one call with a combine (the later combine is no call's)
+
+
+def test_busy_and_gaps():
+    """Overlaps count once; gaps inside [begin, end) longer than min_gap, as (offset from begin, length)."""
+    intervals = [(0.0, 10.0), (5.0, 10.0), (20.0, 1.0), (22.0, 3.0), (40.0, 5.0)]
+    assert bench.busy_and_gaps(intervals) == (24.0, [(15.0, 5.0), (25.0, 15.0)])  # 0-15, 20-21, 22-25, 40-45
+    busy, gaps = bench.busy_and_gaps(intervals, begin=8.0, end=50.0, min_gap=2.0)
+    assert busy == 7.0 + 1.0 + 3.0 + 5.0
+    assert gaps == [(7.0, 5.0), (17.0, 15.0), (37.0, 5.0)]  # 15-20, 25-40, 45-50; 21-22 is too short
 
 
 def test_no_splitkv_is_nan():
