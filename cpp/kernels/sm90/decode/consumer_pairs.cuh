@@ -335,16 +335,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             // before this pair's S_A did.
             mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
-            // That transpose was the left part's last read: S_B retired
-            // before kPageAReady. Handing it back here rather than after
-            // kPageBReady lets the producer refill it ~200 ns sooner (the
-            // page two ahead, whose load has about a pair of lead).
-            release(ib);
             stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
           }
           named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
           // WG0 never reads page B's right part (P_B has its own tile); all
           // arrivals for the slot's last page came before this barrier.
           if constexpr (Tr::kPInRopeSlab) release_part(ib, 1);
