@@ -90,13 +90,16 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
                "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us", "splitkv_us",
-               "combine_us")
+               "combine_us", "traced_loop_us")
 
 
 class Timing(NamedTuple):
     median_us: float
     min_us: float
     max_us: float
+    # The profiled run's own wall time per call (NaN without trace_dir): the timed runs measure more per call than
+    # the profiled timeline's period (docs/PERF.md, session 25); this says whether the profiler's run does too.
+    traced_us: float = math.nan
 
 
 def depend(x, checksum):
@@ -130,11 +133,14 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
         start = time.perf_counter()
         carry = jax.block_until_ready(run(carry, args))
         seconds.append(time.perf_counter() - start)
+    traced_us = math.nan
     if trace_dir:  # after the timed runs, which must not pay for the profiler
         with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
             jax.block_until_ready(run(carry, args))
+            traced_us = (time.perf_counter() - start) * 1e6 / iters
     us = np.asarray(seconds) * 1e6 / iters
-    return Timing(float(np.median(us)), float(us.min()), float(us.max()))
+    return Timing(float(np.median(us)), float(us.min()), float(us.max()), traced_us)
 
 
 def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False, trace_dir=None) -> Timing:
@@ -443,12 +449,12 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
                                    iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir)
             kernel_times = decode_kernel_times(trace_events(trace_dir), iters) if trace_dir else NO_KERNEL_TIMES
             by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup | \
-                kernel_times
+                kernel_times | dict(traced_loop_us=timing.traced_us)
             progress.case(f"{shape.name} {kv_format} {path}: {timing.median_us:.1f} us "
                           f"({timing.min_us:.1f}-{timing.max_us:.1f})" +
                           (f"; decode kernels' span {kernel_times['span_us']:.1f} us (splitkv_mla "
-                           f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f})"
-                           if trace_dir else ""))
+                           f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f}; "
+                           f"the profiled run's loop {timing.traced_us:.1f} us)" if trace_dir else ""))
         if len(by_path) == 2:
             by_path["kernel"]["speedup_vs_reference"] = by_path["reference"]["us_median"] / \
                 by_path["kernel"]["us_median"]
@@ -543,7 +549,8 @@ def main(argv=None):
     parser.add_argument("--trace", nargs="?", const="", metavar="DIR",
                         help="also trace each kernel case's loop once with the profiler (into DIR, default "
                              "bench_trace under $OUT, else the cwd) and report the decode kernels' device time per "
-                             "call (CSV span_us, gpu_busy_us, splitkv_us, combine_us; table column span)")
+                             "call (CSV span_us, gpu_busy_us, splitkv_us, combine_us, and traced_loop_us, the "
+                             "profiled run's wall time per call; table column span)")
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)

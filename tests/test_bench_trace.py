@@ -94,5 +94,6 @@ def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
     with open(tmp_path / "b.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
     assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us", "splitkv_us", "combine_us"))
+    assert float(row["traced_loop_us"]) > 0  # the profiled run's wall time per call
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shape"))
     assert header.split()[3:8] == ["us", "min", "max", "span", "TFLOPS"]
