@@ -40,15 +40,16 @@ def main(argv=None) -> int:
     if len(starts) < args.calls + 1:
         raise SystemExit(f"trace_calls: {len(starts)} splitkv_mla launches in {args.trace_dir}, need {args.calls + 1}")
 
-    periods, spans, busies = [], [], []
+    periods, spans, busies, gaps = [], [], [], []
     for k in range(len(starts) - 1):
         t0, t1 = events[starts[k]][0], events[starts[k + 1]][0]
         window = events[starts[k]:starts[k + 1]]
         combine_end = max((s + d for s, d, n in window if "combine" in n), default=t0 + window[0][1])
-        busy, _ = busy_and_gaps(events, t0, t1)
+        busy, idle = busy_and_gaps(events, t0, t1)
         periods.append(t1 - t0)
         spans.append(combine_end - t0)
         busies.append(busy)
+        gaps.append(idle)
     print(f"{len(periods)} calls: median period {np.median(periods):.1f} µs, span {np.median(spans):.1f} µs, "
           f"device busy {np.median(busies):.1f} µs of the period")
 
@@ -60,8 +61,7 @@ def main(argv=None) -> int:
         for s, d, name in events:
             if s < t1 and s + d > t0:  # the glue ahead of the next splitkv_mla closes the listing
                 print(f"  {s - t0:9.1f} {d:9.1f}  {name[:90]}")
-        _, gaps = busy_and_gaps(events, t0, t1)
-        print("  idle gaps > 2 µs (offset, length): " + (", ".join(f"{o:.1f}+{g:.1f}" for o, g in gaps) or "none"))
+        print("  idle gaps > 2 µs (offset, length): " + (", ".join(f"{o:.1f}+{g:.1f}" for o, g in gaps[k]) or "none"))
     return 0
 
 
