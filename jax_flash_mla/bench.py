@@ -29,8 +29,11 @@ kernel records, the span of the decode's own kernels per call (splitkv_mla start
 timing of the decode alone, as FlashMLA's benchmark does, sees) and the device's busy time per call (the loop's glue
 fusions included; combine starts early, by programmatic dependent launch, and its record includes its wait for
 splitkv_mla, so the kernels' durations are not summed). The loop figure stays in the table: it is what this jitted
-loop pays a call, measured without the profiler, which sees a shorter period per call (docs/PERF.md, session 25: the
-difference is not yet explained).
+loop pays a call, measured without the profiler, which sees a shorter period per call (docs/PERF.md, session 25). The
+two runs do not execute alike: while a profiler session is active, XLA launches the thunks of its command buffers (CUDA
+graphs) one by one, unless XLA_FLAGS has `--xla_enable_command_buffers_during_profiling=true`; the timed runs replay
+the graphs. `scripts/loop_modes.sh` times the loop with and without command buffers. The run's XLA_FLAGS are printed
+with the device.
 """
 
 from __future__ import annotations
@@ -562,6 +565,8 @@ def main(argv=None):
         parser.error("--batch, --seqlen, --iters and --repeats must be positive")
     usable = kernel_formats()
     device = f"jax {jax.__version__} on {jax.devices()[0].device_kind}; kernels usable: {sorted(usable) or 'none'}"
+    if os.environ.get("XLA_FLAGS"):
+        device += f"; XLA_FLAGS={os.environ['XLA_FLAGS']}"
     Progress.note(device)
     ceilings = measure_ceilings(copy_bytes=2**28 if args.quick else 2**31, gemm_size=1024 if args.quick else 8192,
                                 iters=iters, repeats=repeats)

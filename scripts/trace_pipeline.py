@@ -4,7 +4,8 @@ Needs a build with JAX_FLASH_MLA_EVENT_TRACE (`EVENT_TRACE=ON bash scripts/build
 meaning are in cpp/kernels/event_trace.h). Runs one decode of a named shape on random inputs (never zeros) twice
 and reads the stamps of the second run: the first 16 CTAs of KV head 0's first row tile, up to 256 pages each.
 
-    python3 scripts/trace_pipeline.py --format fp8_per_tensor --shape C1 [--batch 128] [--seqlen 8192]
+    python3 scripts/trace_pipeline.py --format fp8_per_tensor --shape C1 [--batch 128] [--seqlen 8192] [--save F.npz]
+    python3 scripts/trace_pipeline.py --load F.npz    # the same report from a saved run, on any machine
 
 Prints, for every event of both consumer warpgroups and the producer, its time after WG0's start of the same pair
 (bf16 / fp8_per_tensor) or page (fp8_ds_mla): median and 10th / 90th percentiles over the traced pairs, in ns at
@@ -226,15 +227,22 @@ def run_decode(args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--format", required=True, choices=("bf16", "fp8_per_tensor", "fp8_ds_mla"))
+    ap.add_argument("--format", choices=("bf16", "fp8_per_tensor", "fp8_ds_mla"))
     ap.add_argument("--shape", default="C1", choices=("M1", "C1", "C2"))
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", help="also write the raw stamps and clocks to this .npz")
+    ap.add_argument("--load", help="report on the stamps that --save wrote instead of running a decode")
     args = ap.parse_args(argv)
-    raw, shape = run_decode(args)
-    stamps, clocks = unpack(raw, shape)
+    if args.load:
+        with np.load(args.load) as saved:
+            stamps, clocks, args.format = saved["stamps"], saved["clocks"], str(saved["format"])
+    else:
+        if not args.format:
+            ap.error("--format is required unless --load is given")
+        raw, shape = run_decode(args)
+        stamps, clocks = unpack(raw, shape)
     if args.save:
         np.savez_compressed(args.save, stamps=stamps, clocks=clocks, format=args.format)
     print(f"SM clock {ghz(clocks):.3f} GHz (clock64 against globaltimer over the traced CTAs)")

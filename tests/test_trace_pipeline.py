@@ -96,3 +96,14 @@ def test_epilogue_phases_time_both_warpgroups_from_wg0s_last_wgmma():
     stamps[0, 1, 4, ends] = [51_000, 52_100, 59_000]
     stamps[0, 0, 9, ends] = [90_000, 91_000, 92_000]  # WG1 never stamped this chunk end: left out
     np.testing.assert_allclose(trace.epilogue_phases(stamps, clocks), [[1000, 5000, 500, 1050, 4500]])
+
+
+def test_a_saved_trace_reports_the_same_without_a_gpu(tmp_path, capsys):
+    stamps, clocks = trace.unpack(synthetic_pairs(skip_cta=2), SHAPE)
+    path = tmp_path / "t.npz"
+    np.savez_compressed(path, stamps=stamps, clocks=clocks, format="fp8_per_tensor")
+    assert trace.main(["--load", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"one pair every {PERIOD / GHZ:.0f} ns" in out and "WG1 B ready" in out
+    with pytest.raises(SystemExit):  # neither a saved trace nor a format to run
+        trace.main([])
