@@ -409,8 +409,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           stamp(args, 1, ia, event_trace::kPairSRetired);
           if constexpr (kReleaseBAfterPv) {
             // The last pair's P_B V_B,R (queued before this S_B) retired too.
-            // (V^T_B,R goes over S_B's right part once P_B is out.)
             if (page > page_begin) release(ia - 1);
+            // S_B, the right part's other reader, retired: V^T_B,R over it.
+            transpose_v_in_place<Tr>(plan.k[stage_of(ib)], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
+            stamp(args, 1, ia, event_trace::kPairStored);
+            fence_proxy_async_smem();
           } else if constexpr (Tr::kVNeedsTranspose) {
             release(ib);  // S_B and V^T_B,R have read the right part
           }
@@ -447,16 +450,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
         if (has_b) {
           if constexpr (Tr::kPInRopeSlab) {
-            accumulate_own_page(tSrSb, ib, 1, factor, true);
-          } else if constexpr (Tr::kVtBInPlace) {
-            // V^T_B,R over its slot part after P_B went out, so that WG0
-            // waits for neither; only this WG's P_B V_B,R reads it.
-            publish_p(tSrSb, ib, page + 1, 1, c);
-            stamp(args, 1, ia, event_trace::kPairBReady);
-            transpose_v_in_place<Tr>(plan.k[stage_of(ib)], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
-            stamp(args, 1, ia, event_trace::kPairStored);
-            fence_proxy_async_smem();
-            named_barrier_sync(NamedBarriers::kVtBRightReady, 128);
             accumulate_own_page(tSrSb, ib, 1, factor, true);
           } else {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
