@@ -10,7 +10,8 @@
 # --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK =1 to leave a step out (the first build listed is taken as the
 # baseline: only benched); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke run, tests/gpu_sanitize.py, fails
 # or times out gets no further step); PYTEST_WORKERS (default 4); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
-# build's GPU tests / one format's racecheck, default 240 / 150); BASELINE_FORMATS (formats benched for the baseline,
+# build's GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer
+# tools run per format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck"); BASELINE_FORMATS (formats benched for the baseline,
 # default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS); TEST_ARGS (more pytest arguments,
 # e.g. "-m few_rows" for the few-rows kernels' cases; split on spaces, so no argument may contain one: "-m 'not
 # few_rows'" does not work).
@@ -77,10 +78,13 @@ for i in "${!builds[@]}"; do
   if ((i > 0)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
     # One process per format: with several kernels in one process compute-sanitizer 2026.x segfaulted (rc 139)
     # where each format alone ran clean (session 5).
-    for f in $formats; do
-      SANITIZE_FORMATS=$f timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
-        --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$logs/racecheck_${name}_$f.log" 2>&1
-      line+=" racecheck $f rc=$? ($(grep -E 'RACECHECK SUMMARY' "$logs/racecheck_${name}_$f.log" | sed 's/=* *RACECHECK SUMMARY: //'));"
+    for tool in ${SANITIZE_TOOLS:-racecheck}; do
+      for f in $formats; do
+        log=$logs/${tool}_${name}_$f.log
+        SANITIZE_FORMATS=$f timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$log" 2>&1
+        line+=" $tool $f rc=$? ($(grep -E '(RACECHECK|ERROR) SUMMARY' "$log" | sed -E 's/=* *(RACECHECK|ERROR) SUMMARY: //'));"
+      done
     done
   fi
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
