@@ -92,7 +92,7 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "rotation_sets", "iters", "repeats", "us_median", "us_min", "us_max", "tflops", "gbps",
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
-               "unrolled", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us", "splitkv_us",
+               "unrolled", "pause_s", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us", "splitkv_us",
                "combine_us", "traced_loop_us")
 
 
@@ -115,7 +115,8 @@ def _pick(x, checksum):
     return lax.dynamic_index_in_dim(x.reshape(-1), jnp.isnan(checksum).astype(jnp.int32), keepdims=False)
 
 
-def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = False, trace_dir=None) -> Timing:
+def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = False, trace_dir=None,
+              pause_s: float = 0.0) -> Timing:
     """Device µs of one `carry = body(i, carry, args)`.
 
     `iters` of them run in one jitted fori_loop (a static trip count) whose carry is donated, so the loop state
@@ -124,6 +125,8 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
     predicate may cost a host round trip per iteration on a GPU); only for bodies whose iterations stay apart
     through real data dependencies: unrolled, XLA drops the optimization barriers, fuses elementwise iterations
     into one pass and merges identical ones. `trace_dir`: one more run under the profiler, written there.
+    `pause_s`: the device idles that long before each timed run, as it does before the profiled one (whether the
+    card's clock under back-to-back runs is what sets the loop figure apart from the profiled period).
     """
     def loop(carry, args):
         return lax.fori_loop(0, iters, lambda i, c: body(i, c, args), carry, unroll=unroll)
@@ -133,6 +136,7 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
         carry = jax.block_until_ready(run(carry, args))
     seconds = []
     for _ in range(repeats):
+        time.sleep(pause_s)
         start = time.perf_counter()
         carry = jax.block_until_ready(run(carry, args))
         seconds.append(time.perf_counter() - start)
@@ -146,7 +150,8 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
     return Timing(float(np.median(us)), float(us.min()), float(us.max()), traced_us)
 
 
-def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False, trace_dir=None) -> Timing:
+def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False, trace_dir=None,
+                  pause_s: float = 0.0) -> Timing:
     """Device µs of one `step(i, checksum, *args)` (see the module docstring for the loop).
 
     `args` and the running checksum pass through an optimization barrier each iteration, so no part of the step is
@@ -157,7 +162,8 @@ def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False,
         args, checksum = lax.optimization_barrier((args, checksum))
         outputs = step(i, checksum, *args)
         return checksum + sum(_pick(x, checksum).astype(jnp.float32) for x in jax.tree.leaves(outputs))
-    return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir)
+    return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir,
+                     pause_s=pause_s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,10 +426,11 @@ def result_row(shape: Shape, kv_format, path, timing: Timing, lengths, ceilings:
 
 
 def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_reference, ceilings, iters, repeats,
-                progress: Progress, seed, unroll=False, trace_root=None):
+                progress: Progress, seed, unroll=False, trace_root=None, pause_s=0.0):
     """Times every (format, path) of one shape; returns CSV rows, plus rows with no_kernel=True for the table.
 
     `trace_root`: each kernel case is also traced, into <trace_root>/<shape>_<format>, for `decode_kernel_times`.
+    `pause_s`: idle seconds before each timed run of a decode (time_loop).
     """
     rng = np.random.default_rng([seed, list(SHAPES).index(shape.name)])
     lengths = sequence_lengths(shape, batch, seqlen, rng)
@@ -436,7 +443,8 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
     progress.note(f"{shape.name}: batch {batch}, sum s_k {int(lengths.sum())}, {sets} rotation set(s), loop "
                   f"overhead {overhead:.1f} us")
     with_anchors = anchors and shape.name in ANCHORS_US["FlashMLA bf16"]
-    setup = dict(rotation_sets=sets, iters=iters, repeats=repeats, loop_overhead_us=overhead, unrolled=unroll)
+    setup = dict(rotation_sets=sets, iters=iters, repeats=repeats, loop_overhead_us=overhead, unrolled=unroll,
+                 pause_s=pause_s)
     usable = kernel_formats()
     rows = []
     for kv_format in kv_formats:
@@ -449,7 +457,7 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
             traced = trace_root and path == "kernel"
             trace_dir = os.path.join(trace_root, f"{shape.name}_{kv_format}") if traced else None
             timing = time_per_call(decode_step(shape, kv_format, path), (q_in, tables, cache, seqlens, meta, scales),
-                                   iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir)
+                                   iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir, pause_s=pause_s)
             kernel_times = decode_kernel_times(trace_events(trace_dir), iters) if trace_dir else NO_KERNEL_TIMES
             by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup | \
                 kernel_times | dict(traced_loop_us=timing.traced_us)
@@ -554,6 +562,9 @@ def main(argv=None):
                              "bench_trace under $OUT, else the cwd) and report the decode kernels' device time per "
                              "call (CSV span_us, gpu_busy_us, splitkv_us, combine_us, and traced_loop_us, the "
                              "profiled run's wall time per call; table column span)")
+    parser.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
+                        help="let the GPU idle this long before each timed run of a decode (default 0: runs back to "
+                             "back); the profiled run of --trace follows the profiler's start-up, an idle time too")
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
@@ -563,6 +574,8 @@ def main(argv=None):
     repeats = args.repeats or (3 if args.quick else 10)
     if min(batch, seqlen, iters, repeats) < 1:
         parser.error("--batch, --seqlen, --iters and --repeats must be positive")
+    if not 0 <= args.pause <= 60:
+        parser.error("--pause must be between 0 and 60 seconds")
     usable = kernel_formats()
     device = f"jax {jax.__version__} on {jax.devices()[0].device_kind}; kernels usable: {sorted(usable) or 'none'}"
     if os.environ.get("XLA_FLAGS"):
@@ -578,7 +591,8 @@ def main(argv=None):
     for name in args.shapes:
         rows += bench_shape(SHAPES[name], args.formats, batch=batch, seqlen=seqlen, anchors=anchors,
                             skip_reference=args.skip_reference, ceilings=ceilings, iters=iters, repeats=repeats,
-                            progress=progress, seed=args.seed, unroll=args.unroll, trace_root=trace_root)
+                            progress=progress, seed=args.seed, unroll=args.unroll, trace_root=trace_root,
+                            pause_s=args.pause)
 
     measured = [r for r in rows if not r.get("no_kernel")]
     csv_path, png_path = output_path(args.csv, "bench.csv"), output_path(args.png, "bench.png")

@@ -8,6 +8,8 @@
 #   graphs_prof  the same, profiled with the graphs replayed (--xla_enable_command_buffers_during_profiling=true)
 #   op_by_op     no command buffers at all (--xla_gpu_enable_command_buffer=): timed as it was profiled
 #   while        the whole loop in one graph (+WHILE: conditional nodes, no host round trip per call)
+#   paused       XLA's defaults, the GPU idle for 1 s before each timed run (bench --pause 1), as it is before the
+#                profiled run: if the card's clock drops under back-to-back runs, this one times near the period
 # On the GPU machine, with the build to time as .carry_<BUILD> (default: the package as installed here):
 #   BUILD=main FORMATS="bf16 fp8_per_tensor" SHAPES=C1,C2 bash scripts/loop_modes.sh
 # BENCH_ARGS: more bench arguments (e.g. --iters 200). Prints per mode and case the loop figure, the profiled span and period, and the clock; the last lines are a table.
@@ -29,8 +31,9 @@ declare -A flags=(
   [graphs_prof]="--xla_enable_command_buffers_during_profiling=true"
   [op_by_op]="--xla_gpu_enable_command_buffer="
   [while]="--xla_gpu_enable_command_buffer=+WHILE"
+  [paused]=""
 )
-modes=(graphs graphs_prof op_by_op while)
+modes=(graphs graphs_prof op_by_op while paused)
 
 # The clock log: one line every 100 ms for the whole run. Older drivers call the reasons field clocks_throttle_reasons.
 query=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
@@ -40,12 +43,13 @@ logger=$!
 trap 'kill $logger 2> /dev/null' EXIT
 
 for mode in "${modes[@]}"; do
-  trace=()
-  [[ $mode == while ]] || trace=(--trace "$work/trace_$mode")
+  extra=()
+  [[ $mode == while || $mode == paused ]] || extra=(--trace "$work/trace_$mode")
+  [[ $mode == paused ]] && extra=(--pause 1)
   echo "==== $mode: XLA_FLAGS=${flags[$mode]}"
   date '+%Y/%m/%d %H:%M:%S.%3N' > "$work/start_$mode"  # nvidia-smi's timestamps: local time
   XLA_FLAGS=${flags[$mode]} timeout "${MODE_TIMEOUT:-240}" "$PY" -m jax_flash_mla.bench --skip-reference \
-    --formats "$(echo "$formats" | tr ' ' ',')" --shapes "$shapes" --repeats "$repeats" "${trace[@]}" \
+    --formats "$(echo "$formats" | tr ' ' ',')" --shapes "$shapes" --repeats "$repeats" "${extra[@]}" \
     --csv "$work/bench_$mode.csv" --png "$work/bench_$mode.png" ${BENCH_ARGS:-} > "$work/bench_$mode.log" 2>&1
   echo "rc=$?" >> "$work/bench_$mode.log"
   date '+%Y/%m/%d %H:%M:%S.%3N' > "$work/end_$mode"

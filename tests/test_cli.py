@@ -48,6 +48,16 @@ def test_bench_kernel_rows(tmp_path, monkeypatch):
     assert math.isnan(kernel["speedup_vs_flashmla_bf16"])  # anchors hold for batch 128, s_k 8192 only
 
 
+def test_bench_pause_idles_outside_the_timed_runs(monkeypatch):
+    slept = []
+    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    timing = bench.time_loop(lambda i, x, args: x + 1.0, jax.numpy.float32(0), iters=2, repeats=3, pause_s=0.25)
+    assert slept == [0.25] * 3
+    assert timing.min_us <= timing.median_us <= timing.max_us < 0.25e6 / 2  # the pauses are not timed
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--pause", "-1"])
+
+
 def test_work_counts_visible_keys():
     lengths = np.array([10, 1], np.int32)
     flops, nbytes = bench.work(bench.SHAPES["C2"], lengths, "fp8_ds_mla")
