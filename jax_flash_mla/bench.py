@@ -92,8 +92,8 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "rotation_sets", "iters", "repeats", "us_median", "us_min", "us_max", "tflops", "gbps",
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
-               "unrolled", "pause_s", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us", "splitkv_us",
-               "combine_us", "traced_loop_us")
+               "unrolled", "pause_s", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us",
+               "splitkv_us", "combine_us", "traced_loop_us")
 
 
 class Timing(NamedTuple):

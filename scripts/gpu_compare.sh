@@ -11,8 +11,8 @@
 # baseline: only benched); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke run, tests/gpu_sanitize.py, fails
 # or times out gets no further step); PYTEST_WORKERS (default 4); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
 # build's GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer
-# tools run per format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck"); BASELINE_FORMATS (formats benched for the baseline,
-# default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS); TEST_ARGS (more pytest arguments,
+# tools run per format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck");
+# BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS); TEST_ARGS (more pytest arguments,
 # e.g. "-m few_rows" for the few-rows kernels' cases; split on spaces, so no argument may contain one: "-m 'not
 # few_rows'" does not work).
 # A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
@@ -83,7 +83,9 @@ for i in "${!builds[@]}"; do
         log=$logs/${tool}_${name}_$f.log
         SANITIZE_FORMATS=$f timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$log" 2>&1
-        line+=" $tool $f rc=$? ($(grep -E '(RACECHECK|ERROR) SUMMARY' "$log" | sed -E 's/=* *(RACECHECK|ERROR) SUMMARY: //'));"
+        rc=$?
+        verdict=$(grep -E '(RACECHECK|ERROR) SUMMARY' "$log" | sed -E 's/=* *(RACECHECK|ERROR) SUMMARY: //')
+        line+=" $tool $f rc=$rc ($verdict);"
       done
     done
   fi

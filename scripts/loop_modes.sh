@@ -12,7 +12,8 @@
 #                profiled run: if the card's clock drops under back-to-back runs, this one times near the period
 # On the GPU machine, with the build to time as .carry_<BUILD> (default: the package as installed here):
 #   BUILD=main FORMATS="bf16 fp8_per_tensor" SHAPES=C1,C2 bash scripts/loop_modes.sh
-# BENCH_ARGS: more bench arguments (e.g. --iters 200). Prints per mode and case the loop figure, the profiled span and period, and the clock; the last lines are a table.
+# BENCH_ARGS: more bench arguments (e.g. --iters 200). Prints per mode and case the loop figure, the profiled span
+# and the profiled run's loop, and the clock; the last lines are a table.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -37,7 +38,8 @@ modes=(graphs graphs_prof op_by_op while paused)
 
 # The clock log: one line every 100 ms for the whole run. Older drivers call the reasons field clocks_throttle_reasons.
 query=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
-nvidia-smi --query-gpu=$query --format=csv,noheader > /dev/null 2>&1 || query=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
+nvidia-smi --query-gpu=$query --format=csv,noheader > /dev/null 2>&1 ||
+  query=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 nvidia-smi --query-gpu=$query --format=csv,noheader,nounits -lms 100 > "$work/clocks.csv" 2> /dev/null &
 logger=$!
 trap 'kill $logger 2> /dev/null' EXIT
