@@ -12,9 +12,9 @@
 # or times out gets no further step); PYTEST_WORKERS (default 4); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
 # build's GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer
 # tools run per format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck");
-# BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run, default FORMATS); TEST_ARGS (more pytest arguments,
-# e.g. "-m few_rows" for the few-rows kernels' cases; split on spaces, so no argument may contain one: "-m 'not
-# few_rows'" does not work).
+# BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
+# default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
+# spaces, so no argument may contain one: "-m 'not few_rows'" does not work).
 # A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
 # in place of this checkout's; the others with this checkout's.
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
