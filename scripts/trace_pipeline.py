@@ -10,8 +10,9 @@ and reads the stamps of the second run: the first 16 CTAs of KV head 0's first r
 Prints, for every event of both consumer warpgroups and the producer, its time after WG0's start of the same pair
 (bf16 / fp8_per_tensor) or page (fp8_ds_mla): median and 10th / 90th percentiles over the traced pairs, in ns at
 the SM clock the run measured. Then each warpgroup's phases (time between its consecutive events), which say who
-waits for whom. The stamps cost a few instructions each: read the order and the shares, not the absolute times
-(bench.py times builds). Only the 64-row kernels stamp; the few-rows kernels (M1 with an FP8 format) do not.
+waits for whom, and how long each warpgroup's next S waits for its page to land. The stamps cost a few instructions
+each: read the order and the shares, not the absolute times (bench.py times builds). Only the 64-row kernels stamp;
+the few-rows kernels (M1 with an FP8 format) do not.
 """
 
 from __future__ import annotations
@@ -121,6 +122,39 @@ def phases(table):
         for (t0, l0), (t1, l1) in zip(own, own[1:]):
             out.append((f"{l0} -> {l1[len(w) + 1:]}", t1 - t0))
     return out
+
+
+def page_waits(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
+    """How long each consumer WG's next S waited for its page, per traced period: [(label, median ns, p90 ns)].
+    Pairs: from "waits" to the first of the slot's two parts landed (the S issues its k-steps on that part next) and
+    to both; fp8_ds_mla: from "slot wait" to "slot landed". A page that had landed before the wait counts 0."""
+    per_ns = 1.0 / ghz(clocks)
+    if kv_format == "fp8_ds_mla":
+        cases = [(f"WG{w} next page", w, 1, (7,), max) for w in (0, 1)]
+    else:
+        cases = [(f"WG{w} next S_{ab}, {which}", w, offset, (6, 7), pick)
+                 for w, ab, offset in ((0, "A", 2), (1, "B", 3))
+                 for which, pick in (("first part", min), ("both parts", max))]
+    out = []
+    for label, role, offset, landed_events, pick in cases:
+        values = []
+        for cta, a, _ in periods(stamps, kv_format):
+            if a + offset >= stamps.shape[2]:
+                continue
+            wait = stamps[cta, role, a + offset, 8]
+            landed = [stamps[cta, role, a + offset, e] for e in landed_events]
+            if wait > 0 and all(t > 0 for t in landed):
+                values.append(max(pick(landed) - wait, 0) * per_ns)
+        if values:
+            out.append((label, float(np.median(values)), float(np.percentile(values, 90))))
+    return out
+
+
+def print_page_waits(waits, period_ns):
+    if waits:
+        print("page waits (ns a period, median / p90; share of the period's median):")
+        for label, med, p90 in waits:
+            print(f"  {label:28s} {med:6.0f} / {p90:6.0f}   {100 * med / period_ns:4.1f} %")
 
 
 def chunk_boundaries(stamps: np.ndarray, clocks: np.ndarray):
@@ -247,7 +281,10 @@ def main(argv=None) -> int:
         np.savez_compressed(args.save, stamps=stamps, clocks=clocks, format=args.format)
     print(f"SM clock {ghz(clocks):.3f} GHz (clock64 against globaltimer over the traced CTAs)")
     _, pages_per_period = rows_for(args.format)
-    print_report(layout(stamps, clocks, args.format), args.format, pages_per_period)
+    table = layout(stamps, clocks, args.format)
+    print_report(table, args.format, pages_per_period)
+    period = next(med for label, med, *_ in table if label.startswith("WG0 next top"))
+    print_page_waits(page_waits(stamps, clocks, args.format), period)
     print_chunks(*chunk_boundaries(stamps, clocks))
     print_epilogue(epilogue_phases(stamps, clocks))
     return 0

@@ -107,3 +107,18 @@ def test_a_saved_trace_reports_the_same_without_a_gpu(tmp_path, capsys):
     assert f"one pair every {PERIOD / GHZ:.0f} ns" in out and "WG1 B ready" in out
     with pytest.raises(SystemExit):  # neither a saved trace nor a format to run
         trace.main([])
+
+
+def test_page_waits_measure_how_long_each_next_s_waited_for_its_page():
+    stamps, clocks = trace.unpack(synthetic_pairs(skip_cta=2), SHAPE)
+    for cta in (0, 1):
+        for ia in range(0, 40, 2):
+            t0 = int(stamps[cta, 0, ia, 0])
+            # WG0's S_A of this pair began to wait 300 cycles before the top; its parts landed 200 and 400 later.
+            stamps[cta, 0, ia, 8], stamps[cta, 0, ia, 6], stamps[cta, 0, ia, 7] = t0 - 300, t0 - 100, t0 + 100
+            # WG1's S_B found both parts landed.
+            stamps[cta, 1, ia + 1, 8], stamps[cta, 1, ia + 1, 6], stamps[cta, 1, ia + 1, 7] = t0, t0 - 50, t0 - 20
+    waits = {label: (med, p90) for label, med, p90 in trace.page_waits(stamps, clocks, "fp8_per_tensor")}
+    assert waits["WG0 next S_A, first part"] == pytest.approx((200 / GHZ, 200 / GHZ))
+    assert waits["WG0 next S_A, both parts"] == pytest.approx((400 / GHZ, 400 / GHZ))
+    assert waits["WG1 next S_B, both parts"] == (0.0, 0.0)  # landed before the wait: no wait, not a negative one
