@@ -142,4 +142,79 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   }
 }
 
+// V^T written over the K slot's own V bytes (fp8_per_tensor's page B,
+// Traits::kVtBInPlace): transpose_v's result, steps and lane mappings, with
+// V^T in the slot. A 64-channel slab of the slot (SmemLayoutK) and V^T's rows
+// of the same 64 channels (SmemLayoutV) are one 4 KB block under one function
+// of (row, column), the SW64 atom stacked down 64 rows. Cut the block into 16
+// squares (i, j) of 16 tokens x 16 channels: square (i, j) lands on the bytes
+// that square (j, i) is read from. A step of transpose_v moves the squares
+// (i, 2k) and (i, 2k + 1) (step 4k + i), so steps are loaded in batches the
+// transpose closes, and a batch's loads return (its PRMTs wait on them)
+// before its stores: steps {0, 1} (squares (0..1, 0..1)), {6, 7} (2..3,
+// 2..3), then {2, 3, 4, 5} (the eight squares off those blocks). No other
+// batch or warp touches a batch's bytes. The page's S must have retired.
+// scripts/emulate_vt_transpose.py (run_in_place) replays it.
+template <class Tr>
+__device__ __forceinline__ void transpose_v_in_place(typename Tr::Element* k_slot, const typename Tr::Element* zeros,
+                                                     int wg, int tid, int valid) {
+  static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
+  static_assert(Tr::kTmaSwizzle == CU_TENSOR_MAP_SWIZZLE_64B,
+                "the slot's 64-channel slabs must be laid out as V^T's 64-row blocks");
+  const typename Tr::SmemLayoutK layout_k{};
+  const typename Tr::SmemLayoutV layout_vt{};
+  const uint32_t base = smem_addr(k_slot);
+  const uint32_t zero_row = smem_addr(zeros);
+  // Lane constants as in transpose_v.
+  const int lane = tid % 32;
+  const int m = lane / 8, r = lane % 8;
+  const int ld_token = 8 * (m % 2) + r;
+  const int ld_channel = 16 * (m / 2);
+  const bool odd_first = r >= 4;
+  const int st_channel = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(odd_first));
+  const bool lane_odd_first = lane / 4 >= 4;
+  const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
+  const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
+  const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
+  // In a 4 KB block of 64-byte rows, SW64 XORs the 16-byte unit (address
+  // bits 4-5) with row bits 1-2. Step 4k + i adds 16 i rows to the loads
+  // (1024 i bytes) and 32 k channels to their columns (unit bit 1: XOR 32 k),
+  // and 32 k rows to the stores (2048 k) and 16 i tokens to their columns
+  // (XOR 16 i): each address is the lane's step-0 address plus and XOR an
+  // immediate, the slab offset (a multiple of 4 KB) and the slot base added.
+  const uint32_t ld_origin = uint32_t(layout_k(ld_token, warp_channels + ld_channel));
+  const uint32_t st_origin = uint32_t(layout_vt(warp_channels + st_channel, 0));
+  auto load = [&](int step, uint32_t(&d)[4]) {
+    const uint32_t offset = (ld_origin + 1024u * (step % 4)) ^ (32u * (step / 4));
+    const uint32_t src = (step % 4) * 16 + ld_token < valid ? base + offset : zero_row;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(src)
+                 : "memory");  // after the S retired and the last batch's stores
+  };
+  auto store = [&](int step, const uint32_t(&d)[4]) {
+    const uint32_t offset = (st_origin + 2048u * (step / 4)) ^ (16u * (step % 4));
+    const uint32_t o0 = __byte_perm(d[0], d[1], sel_first), o1 = __byte_perm(d[0], d[1], sel_second);
+    const uint32_t o2 = __byte_perm(d[2], d[3], sel_first), o3 = __byte_perm(d[2], d[3], sel_second);
+    stmatrix_x4(base + offset, o0, o1, o2, o3);
+  };
+  uint32_t d[4][4];
+  load(0, d[0]);
+  load(1, d[1]);
+  store(0, d[0]);
+  store(1, d[1]);
+  load(6, d[0]);
+  load(7, d[1]);
+  store(6, d[0]);
+  store(7, d[1]);
+  load(2, d[0]);
+  load(3, d[1]);
+  load(4, d[2]);
+  load(5, d[3]);
+  store(2, d[0]);
+  store(3, d[1]);
+  store(4, d[2]);
+  store(5, d[3]);
+}
+
 }  // namespace jax_flash_mla::sm90
