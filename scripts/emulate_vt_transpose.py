@@ -5,8 +5,6 @@ byte permutes and stmatrix.x4 do per lane (PTX ISA "ldmatrix" / "stmatrix" fragm
 (64-byte swizzle for fp8_per_tensor, 128-byte for fp8_ds_mla: `slot_swizzle`) and the SW64 V^T tile, and checks
   - V^T[c][p_column(t)] == K[t][c] for valid tokens, 0 past `valid`;
   - every 8-lane phase of each ldmatrix / stmatrix touches 8 distinct 16-byte bank groups.
-run_in_place: the same transpose written over the slot's own bytes (fp8_per_tensor's page B): each step writes
-exactly the bytes it read.
 store_p_e4m3: replays the stmatrix store of P from the WGMMA accumulator fragment (m64n64 for fp8_per_tensor,
 each WG's m64n32 half for fp8_ds_mla) and checks P_tile[row][p_column(t)] == P[row][t], conflict-free.
 run_narrow: the few-query-rows consumer's V^T register A fragments and P^T store (consumer_narrow.cuh).
@@ -51,136 +49,69 @@ def check_conflicts(addrs, what):
         assert len(groups) == 8, f"{what}: phase {phase} bank groups {sorted(groups)}"
 
 
-def tile_square_pair(step):
-    """fp8_smem.h: a step into a V^T tile of its own moves squares (16 tokens x 16 channels of a warp's 64-channel
-    block, (token square, channel square)) of one token row, channel squares 2k and 2k + 1."""
-    return (step % 4, 2 * (step // 4)), (step % 4, 2 * (step // 4) + 1)
-
-
-# transpose_v_in_place: transpose_v's steps in batches that the transpose closes (loads before stores).
-IN_PLACE_BATCHES = [[0, 1], [6, 7], [2, 3, 4, 5]]
-
-
-def load_step(src, zeros, layout_k, warp_channels, squares, valid):
-    """ldmatrix.x4.trans of a step's two squares (lane L addresses row L % 8 of matrix L / 8; matrices 0-1 the first
-    square's tokens 0-7 / 8-15, 2-3 the second's), then the two byte permutes per matrix pair: each lane's four
-    registers, and the slot bytes the step reads (rows past `valid` read the zero row instead)."""
-    rows = []
-    for lane in range(32):
-        m, r = lane // 8, lane % 8
-        i, j = squares[m // 2]
-        token = 16 * i + 8 * (m % 2) + r
-        rows.append(("k", layout_k(token, warp_channels + 16 * j)) if token < valid else ("z", 0))
-    if all(kind == "k" for kind, _ in rows):  # (rows past `valid` all read the one zero row: a broadcast)
-        check_conflicts([a for _, a in rows], "ldmatrix")
-    read = {a + b for kind, a in rows if kind == "k" for b in range(16)}
-
-    def row_bytes(m, r):
-        kind, a = rows[8 * m + r]
-        return (src if kind == "k" else zeros)[a: a + 16]
-
-    regs = {}
-    for lane in range(32):
-        q, col = lane % 4, lane // 4  # trans: b16 column col of the stored matrix, stored rows 2q, 2q+1
-        d = []
-        for m in range(4):
-            lo = row_bytes(m, 2 * q)[2 * col: 2 * col + 2]
-            hi = row_bytes(m, 2 * q + 1)[2 * col: 2 * col + 2]
-            d.append(sum(int(v) << (8 * i) for i, v in enumerate(list(lo) + list(hi))))
-        odd_first = lane // 4 >= 4
-        s1, s2 = (0x7531, 0x6420) if odd_first else (0x6420, 0x7531)
-        regs[lane] = [byte_perm(d[0], d[1], s1), byte_perm(d[0], d[1], s2),
-                      byte_perm(d[2], d[3], s1), byte_perm(d[2], d[3], s2)]
-    return regs, read
-
-
-def store_step(dst, layout_vt, warp_channels, squares, regs):
-    """stmatrix.x4 of a step (matrix m's rows: channels of square m // 2, at that square's token columns); returns
-    the bytes written."""
-    addrs = []
-    for lane in range(32):
-        m, r = lane // 8, lane % 8
-        i, j = squares[m // 2]
-        st_channel = 16 * j + 2 * r + ((m % 2) ^ int(r >= 4))
-        addrs.append(layout_vt(warp_channels + st_channel, 16 * i))
-    stmatrix(dst, addrs, regs)
-    return {a + b for a in addrs for b in range(16)}
-
-
-def slot_with_page(rng, layout_k, size):
+def run(wg, valid, rng, slot_swizzle=64):
+    k_slot = np.zeros(TOKENS * 512 + 64, np.uint8)  # the 512 V channels of the slot
+    vt = np.full(512 * 64, 0xAA, np.uint8)
+    zeros = np.zeros(16, np.uint8)
     data = rng.integers(0, 256, size=(TOKENS, 512), dtype=np.uint8)
-    slot = np.zeros(size, np.uint8)
+    layout_k = slot_layout(slot_swizzle)
+    layout_vt = lambda c, t: sw64(c, t)
     for t in range(TOKENS):
         for c in range(512):
-            slot[layout_k(t, c)] = data[t, c]
-    return slot, data
+            k_slot[layout_k(t, c)] = data[t, c]
 
+    for warp in range(4):
+        regs = {}
+        lanes = range(32)
+        warp_channels = wg * CHANNELS_PER_WG + warp * 64
+        for block in range(8):
+            ch0 = warp_channels + (block // 4) * 32
+            t0 = (block % 4) * 16
+            # ldmatrix.x4.trans: lane L gives row L % 8 of matrix L / 8.
+            rows = []
+            for lane in lanes:
+                m, r = lane // 8, lane % 8
+                token = t0 + 8 * (m % 2) + r
+                rows.append(("k", layout_k(token, ch0 + 16 * (m // 2))) if token < valid else ("z", 0))
+            if valid >= t0 + 16:  # (rows past `valid` all read the one zero row: a broadcast)
+                check_conflicts([a for _, a in rows], "ldmatrix")
 
-def check_vt(vt, layout_vt, data, wg, valid):
+            def row_bytes(m, r):
+                kind, a = rows[8 * m + r]
+                return (k_slot if kind == "k" else zeros)[a: a + 16]
+
+            for lane in lanes:
+                q, col = lane % 4, lane // 4  # trans: b16 column col of the stored matrix, stored rows 2q, 2q+1
+                d = []
+                for m in range(4):
+                    lo = row_bytes(m, 2 * q)[2 * col: 2 * col + 2]
+                    hi = row_bytes(m, 2 * q + 1)[2 * col: 2 * col + 2]
+                    b = list(lo) + list(hi)
+                    d.append(sum(int(v) << (8 * i) for i, v in enumerate(b)))
+                odd_first = lane // 4 >= 4
+                s1, s2 = (0x7531, 0x6420) if odd_first else (0x6420, 0x7531)
+                regs[lane] = [byte_perm(d[0], d[1], s1), byte_perm(d[0], d[1], s2),
+                              byte_perm(d[2], d[3], s1), byte_perm(d[2], d[3], s2)]
+            # stmatrix.x4: lane L gives the address of row L % 8 of matrix L / 8; lane i's register j
+            # holds row i / 4, bytes 4 (i % 4) .. + 3 of matrix j.
+            addrs = []
+            for lane in lanes:
+                m, r = lane // 8, lane % 8
+                st_channel = 16 * (m // 2) + 2 * r + ((m % 2) ^ int(r >= 4))
+                addrs.append(layout_vt(ch0 + st_channel, t0))
+            check_conflicts(addrs, "stmatrix")
+            for m in range(4):
+                for lane in lanes:
+                    row, q = lane // 4, lane % 4
+                    word = regs[lane][m]
+                    for i in range(4):
+                        vt[addrs[8 * m + row] + 4 * q + i] = (word >> (8 * i)) & 0xFF
+
     for c in range(wg * CHANNELS_PER_WG, (wg + 1) * CHANNELS_PER_WG):
         for t in range(TOKENS):
             want = data[t, c] if t < valid else 0
             got = vt[layout_vt(c, p_column(t))]
             assert got == want, (wg, valid, c, t, got, want)
-
-
-def run(wg, valid, rng, slot_swizzle=64):
-    """transpose_v into a V^T tile of its own (SW64, 512 channel rows of 64 token bytes)."""
-    layout_k = slot_layout(slot_swizzle)
-    k_slot, data = slot_with_page(rng, layout_k, TOKENS * 512 + 64)  # the 512 V channels of the slot
-    vt = np.full(512 * 64, 0xAA, np.uint8)
-    zeros = np.zeros(16, np.uint8)
-    layout_vt = lambda c, t: sw64(c, t)
-    for warp in range(4):
-        warp_channels = wg * CHANNELS_PER_WG + warp * 64
-        for step in range(8):
-            squares = tile_square_pair(step)
-            regs, _ = load_step(k_slot, zeros, layout_k, warp_channels, squares, valid)
-            store_step(vt, layout_vt, warp_channels, squares, regs)
-    check_vt(vt, layout_vt, data, wg, valid)
-
-
-def run_in_place(wg, valid, rng, batches=None):
-    """transpose_v_in_place (fp8_per_tensor's page B): V^T written over the SW64 slot's own V bytes, transpose_v's
-    steps in IN_PLACE_BATCHES, each batch loading before it stores. Checks that the kernel's addresses (the lane's
-    step-0 address plus and XOR an immediate) are the layouts', that every batch writes exactly the bytes it read
-    (whatever `valid`), that the warps touch disjoint bytes, and the result, as run() does."""
-    batches = IN_PLACE_BATCHES if batches is None else batches
-    assert sorted(step for batch in batches for step in batch) == list(range(8))
-    layout_k = slot_layout(64)
-    slot, data = slot_with_page(rng, layout_k, TOKENS * 512 + 64)
-    zeros = np.zeros(16, np.uint8)
-    layout_vt = lambda c, t: sw64(c, t)  # over the slot: slab c // 64 at 4 KB c // 64, as SmemLayoutV
-    assert all(layout_vt(c, t) == layout_k(c % 64, 64 * (c // 64) + t) for c in range(512) for t in range(64))
-    touched = set()
-    for warp in range(4):
-        warp_channels = wg * CHANNELS_PER_WG + warp * 64
-        for lane in range(32):  # fp8_smem.h's address arithmetic
-            m, r = lane // 8, lane % 8
-            ld_token, ld_channel = 8 * (m % 2) + r, 16 * (m // 2)
-            st_channel = 16 * (m // 2) + 2 * r + ((m % 2) ^ int(r >= 4))
-            ld_origin, st_origin = layout_k(ld_token, warp_channels + ld_channel), layout_vt(warp_channels + st_channel, 0)
-            for step in range(8):
-                ch0, t0 = warp_channels + (step // 4) * 32, (step % 4) * 16
-                assert (ld_origin + 1024 * (step % 4)) ^ (32 * (step // 4)) == layout_k(t0 + ld_token, ch0 + ld_channel)
-                assert (st_origin + 2048 * (step // 4)) ^ (16 * (step % 4)) == layout_vt(ch0 + st_channel, t0)
-        warp_bytes = set()
-        for batch in batches:
-            squares = [tile_square_pair(step) for step in batch]
-            read = set().union(*(load_step(slot, zeros, layout_k, warp_channels, sq, TOKENS)[1] for sq in squares))
-            regs = [load_step(slot, zeros, layout_k, warp_channels, sq, valid)[0] for sq in squares]
-            written = set().union(*(store_step(slot, layout_vt, warp_channels, sq, step_regs)
-                                    for sq, step_regs in zip(squares, regs)))
-            assert written == read, (wg, warp, batch)
-            warp_bytes |= written
-        assert len(warp_bytes) == 64 * 64 and not warp_bytes & touched, "warps overlap"
-        touched |= warp_bytes
-    check_vt(slot, layout_vt, data, wg, valid)
-    # The other WG's channels are untouched.
-    for t in range(TOKENS):
-        for c in range(512):
-            if c // CHANNELS_PER_WG != wg:
-                assert slot[layout_k(t, c)] == data[t, c]
 
 
 def stmatrix(tile, addrs, regs):
@@ -332,9 +263,6 @@ def main():
         for wg in (0, 1):
             for valid in (64, 100, 37, 1, 0, 16):
                 run(wg, valid, rng, slot_swizzle)
-    for wg in (0, 1):
-        for valid in (64, 37, 0):
-            run_in_place(wg, valid, rng)  # fp8_per_tensor's page B
     run_store_p(64, rng)  # fp8_per_tensor: the page's owner stores all 64 tokens
     run_store_p(32, rng)  # fp8_ds_mla: each WG its 32
     for slot_swizzle in (64, 128):

@@ -31,17 +31,6 @@ def test_transpose_v(wg, valid, slot_swizzle):
     emu.run(wg, valid, np.random.default_rng(valid), slot_swizzle)
 
 
-@pytest.mark.parametrize("wg", [0, 1])
-@pytest.mark.parametrize("valid", [64, 37, 0])
-def test_transpose_v_in_place_writes_only_the_bytes_each_batch_read(wg, valid):
-    emu.run_in_place(wg, valid, np.random.default_rng(valid))
-
-
-def test_in_place_check_catches_batches_that_are_not_closed():
-    with pytest.raises(AssertionError):
-        emu.run_in_place(0, 64, np.random.default_rng(0), batches=[[0, 1], [2, 3], [4, 5], [6, 7]])
-
-
 @pytest.mark.parametrize("tokens_per_wg", [64, 32])  # fp8_per_tensor (page owner), fp8_ds_mla (each WG half)
 def test_store_p(tokens_per_wg):
     emu.run_store_p(tokens_per_wg, np.random.default_rng(tokens_per_wg))

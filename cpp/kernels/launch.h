@@ -20,24 +20,19 @@ inline void check_cuda(cudaError_t e, const char* who, const char* what) {
 // start while the previous kernel of the stream drains, so it must wait
 // (griddepcontrol.wait / cudaGridDependencySynchronize) before reading that
 // kernel's output. This hides the launch gap between decode and combine.
-// `cluster_z` > 1 groups that many consecutive blocks along z into a cluster.
 template <class... KernelArgs, class... Args>
 void launch_with_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
-                     const char* who, unsigned cluster_z, Args&&... args) {
+                     const char* who, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = 1;
-  attr[1].val.clusterDim.y = 1;
-  attr[1].val.clusterDim.z = cluster_z;
   cfg.attrs = attr;
-  cfg.numAttrs = cluster_z > 1 ? 2 : 1;
+  cfg.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), who, "launch");
   check_cuda(cudaGetLastError(), who, "launch (last error)");
 }

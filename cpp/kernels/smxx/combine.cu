@@ -102,7 +102,7 @@ void run_combine(const DecodeParams& params) {
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   const int rows = params.num_heads_k * params.q_rows_per_head_k;
   launch_with_pdl(combine_kernel, dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch),
-                  dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", 1u, params);
+                  dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
 }
 
 }  // namespace jax_flash_mla

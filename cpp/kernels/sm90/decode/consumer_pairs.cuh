@@ -25,9 +25,7 @@ namespace jax_flash_mla::sm90 {
 //        its own, before the retire)
 // WG w hands back part w of both slots (the left part holds V_L, the
 // right one V_R and RoPE); the other WG's reads of that part (its S) have
-// retired before the pair's ready barrier it passed. With page B's V^T in
-// its own slot (kVtBInPlace), page B's parts go back once the P V on them
-// retired: a pair's at the next pair's first WGMMA wait, or at its own end.
+// retired before the pair's ready barrier it passed.
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& args, Plan& plan,
                                                             const SchedMeta& meta, int head_k, int m_block, int wg,
@@ -66,16 +64,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
 
   auto stage_of = [](int i) { return i % Tr::kNumStages; };
   auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
-  // A slot part's k_empty lives in the CTA that loads the part: this one,
-  // or with multicast (SplitKvArgs::kv_multicast) the cluster's CTA of rank
-  // `part`, which refills it in both CTAs once both released it.
   auto release = [&](int i) {  // this WG's part of page i's slot
     __syncwarp();
-    if constexpr (kMulticast) {  // (rank 0 is this CTA in a launch without clusters)
-      mbarrier_arrive_cluster_if(&plan.k_empty[stage_of(i)][wg], args.kv_multicast ? wg : 0, lane == 0);
-    } else {
-      mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
-    }
+    mbarrier_arrive_if(&plan.k_empty[stage_of(i)][wg], lane == 0);
   };
   // The P tile of page i (page_role 0: A, 1: B): the pair's tile of that
   // role, or for bf16's P_A its slot's RoPE slab.
@@ -99,9 +90,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // (bf16, MN-major) or from the page's V^T buffer (e4m3, K-major).
   auto v_operand = [&](int i, int page_role) {
     Element* v_base;
-    if constexpr (Tr::kVtBInPlace) {
-      v_base = page_role == 0 ? plan.vt[0] : plan.k[stage_of(i)];
-    } else if constexpr (Tr::kVNeedsTranspose) {
+    if constexpr (Tr::kVNeedsTranspose) {
       v_base = plan.vt[page_role];
     } else {
       v_base = plan.k[stage_of(i)];
@@ -270,11 +259,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // P V that follows it, so nothing is left to release after the S.
   constexpr bool kEarlyS = Tr::kNumStages >= 3;
   static_assert(!kEarlyS || Tr::kVNeedsTranspose, "early S releases K slots before their P V");
-  // In place, page B's slot is held through its P V, so the ring needs
-  // pages A, B, A' and B' at once.
-  static_assert(!Tr::kVtBInPlace || Tr::kNumStages >= 4, "V^T_B in place holds page B's slot through its P V");
-  // Page B's slot part that this WG's P_B V_B reads (kVtBInPlace): its last reader.
-  constexpr bool kReleaseBAfterPv = Tr::kVtBInPlace;
 
   int it = 0;  // pages consumed by this CTA, across chunks (ring position)
   // The pair at `page` of a chunk ending at page_end: whether it has a page
@@ -336,8 +320,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 0, ia, event_trace::kPairSRetired);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         if constexpr (Tr::kPInRopeSlab) release_part(ia, 1);  // S_A was WG0's last read of A's right part
-        // The last pair's P_B V_B,L (queued before this S_A) retired too.
-        if (kReleaseBAfterPv && page > page_begin) release(ia - 1);
         mask(tSrS, page);
         float page_max[2];
         row_max(tSrS, page_max);
@@ -349,21 +331,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
           if constexpr (Tr::kVNeedsTranspose) {
+            // V^T_B's last reader (the last pair's P_B V_B,L) retired
+            // before this pair's S_A did.
             mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
-            if constexpr (Tr::kVtBInPlace) {
-              // S_B, the left part's other reader, retired before WG1 passed kPageAReady.
-              transpose_v_in_place<Tr>(plan.k[stage_of(ib)], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
-            } else {
-              // V^T_B's last reader (the last pair's P_B V_B,L) retired
-              // before this pair's S_A did.
-              transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
-            }
+            transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
             stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
           }
           named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
-          if constexpr (Tr::kVNeedsTranspose && !kReleaseBAfterPv) release(ib);  // S_B retired before kPageBReady
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B retired before kPageBReady
           // WG0 never reads page B's right part (P_B has its own tile); all
           // arrivals for the slot's last page came before this barrier.
           if constexpr (Tr::kPInRopeSlab) release_part(ib, 1);
@@ -379,7 +356,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
-            if constexpr (!Tr::kVNeedsTranspose || kReleaseBAfterPv) release(ib);  // P_B V_B,L retired
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
           }
         } else {
           warpgroup_wait<0>();
@@ -401,11 +378,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           // V^T_B,R by its P_B V_B,R, queued before S_B.
           mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
-          if (!Tr::kVtBInPlace && has_b) {
+          if (has_b) {
             warpgroup_wait<1>();
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
           }
-          if constexpr (!Tr::kVtBInPlace) stamp(args, 1, ia, event_trace::kPairStored);
+          stamp(args, 1, ia, event_trace::kPairStored);
           fence_proxy_async_smem();
         }
         Tensor tSrSb = make_fragment_like(tSrS);  // the softmax copy (see above)
@@ -414,13 +391,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
           stamp(args, 1, ia, event_trace::kPairSRetired);
-          if constexpr (kReleaseBAfterPv) {
-            // The last pair's P_B V_B,R (queued before this S_B) retired too.
-            // (V^T_B,R goes over S_B's right part once P_B is out.)
-            if (page > page_begin) release(ia - 1);
-          } else if constexpr (Tr::kVNeedsTranspose) {
-            release(ib);  // S_B and V^T_B,R have read the right part
-          }
+          if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
           mask(tSrSb, page + 1);
@@ -455,16 +426,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (has_b) {
           if constexpr (Tr::kPInRopeSlab) {
             accumulate_own_page(tSrSb, ib, 1, factor, true);
-          } else if constexpr (Tr::kVtBInPlace) {
-            // V^T_B,R over its slot part after P_B went out, so that WG0
-            // waits for neither; only this WG's P_B V_B,R reads it.
-            publish_p(tSrSb, ib, page + 1, 1, c);
-            stamp(args, 1, ia, event_trace::kPairBReady);
-            transpose_v_in_place<Tr>(plan.k[stage_of(ib)], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
-            stamp(args, 1, ia, event_trace::kPairStored);
-            fence_proxy_async_smem();
-            named_barrier_sync(NamedBarriers::kVtBRightReady, 128);
-            accumulate_own_page(tSrSb, ib, 1, factor, true);
           } else {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
             stamp(args, 1, ia, event_trace::kPairBReady);
@@ -474,7 +435,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
-            if constexpr (!Tr::kVNeedsTranspose || kReleaseBAfterPv) release(ib);
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);
           }
         }
         stamp(args, 1, ia, event_trace::kPairEnd);

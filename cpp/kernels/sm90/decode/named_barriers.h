@@ -27,8 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  // fp8_per_tensor with V^T_B in place: WG1's four warps wrote V^T_B,R (128 threads).
-  kVtBRightReady = 12,
 };
 
 // The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).
@@ -82,19 +80,6 @@ __device__ __forceinline__ void mbarrier_arrive_if(uint64_t* bar, bool pred) {
       "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.b32 p, %1, 0;\n"
       " @p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)),
       "r"(int(pred))
-      : "memory");
-}
-
-// Arrives on the barrier at `bar`'s offset in CTA `cta_rank` of the cluster
-// (this CTA's own in a launch without clusters). Default semantics: with
-// .release.cluster ptxas puts a MEMBAR.ALL.GPU before every arrival (session
-// 20's `mc`). The reads it hands back (WGMMA, ldmatrix) completed before it.
-__device__ __forceinline__ void mbarrier_arrive_cluster_if(uint64_t* bar, uint32_t cta_rank, bool pred) {
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b32 remote;\n setp.ne.b32 p, %2, 0;\n"
-      " mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " @p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
-      "r"(cta_rank), "r"(int(pred))
       : "memory");
 }
 

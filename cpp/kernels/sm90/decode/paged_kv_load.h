@@ -36,18 +36,6 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// The same box into the same offset of both CTAs of a two-CTA cluster, each
-// copy signalling the barrier at `bar`'s offset in its CTA.
-__device__ __forceinline__ void tma_load_4d_multicast(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
-                                                      int c0, int c1, int c2, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%4, %5, %6, %7}], [%2], %3;\n" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "h"(uint16_t(0x3)), "r"(c0), "r"(c1), "r"(c2),
-      "r"(c3)
-      : "memory");
-}
-
 // The same through a 5-D map (q's: splitkv_mla.cuh, make_q_tensor_map).
 __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
                                             int c0, int c1, int c2, int c3, int c4) {
@@ -58,47 +46,25 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// The same through a 5-D map, into both CTAs of a two-CTA cluster.
-__device__ __forceinline__ void tma_load_5d_multicast(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
-                                                      int c0, int c1, int c2, int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%4, %5, %6, %7, %8}], [%2], %3;\n" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "h"(uint16_t(0x3)), "r"(c0), "r"(c1), "r"(c2),
-      "r"(c3), "r"(c4)
-      : "memory");
-}
-
 // The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
 // 4-8) part of a page, each on its own full barrier, so the consumers can
 // start S on one part while the other lands and hand the parts back apart.
 // A part's four V slabs are one box of `slab_map`; the right part's RoPE slab
-// is one box of `map`. With `multicast` (the two CTAs of consecutive m-blocks
-// as a cluster, which walk the same pages) the part goes to both CTAs: this
-// CTA issues it only if it owns the part (`issue`); it always expects the
-// part's bytes on its own barrier, which the other CTA's copy may complete.
+// is one box of `map`.
 template <class Traits>
 __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const CUtensorMap* slab_map,
                                                   uint64_t* full_bar, typename Traits::Element* slot, int head_k,
-                                                  int block, int part, bool multicast = false, bool issue = true) {
+                                                  int block, int part) {
   constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
   static_assert(decode_cfg::kSlabs == 2 * decode_cfg::kLeftSlabs + 1, "two V halves and the RoPE slab");
   static_assert(Traits::kSlabsPerBox == decode_cfg::kLeftSlabs, "a V half per box of slab_map");
   const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
   const int slabs = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs - decode_cfg::kLeftSlabs;
   mbarrier_arrive_expect_tx(full_bar, uint32_t(slabs * kSlabElems * sizeof(typename Traits::Element)));
-  if (!issue) return;
-  constexpr int kRope = decode_cfg::kSlabs - 1;
-  if (multicast) {
-    tma_load_5d_multicast(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
-    if (part == 1) {
-      tma_load_4d_multicast(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
-    }
-  } else {
-    tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
-    if (part == 1) {
-      tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
-    }
+  tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
+  if (part == 1) {
+    constexpr int kRope = decode_cfg::kSlabs - 1;
+    tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
   }
 }
 

@@ -89,10 +89,6 @@ struct SplitKvArgs {
   // 64-channel slab of 64 rows. Otherwise (zeros) the consumers copy it.
   CUtensorMap q_map;
   int q_by_tma;
-  // K pages multicast within clusters of two CTAs (consecutive m-blocks of
-  // one partition and KV head; Traits::kMulticastPairs, an even number of
-  // m-blocks): CTA rank r loads part r of every page into both.
-  int kv_multicast;
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   uint64_t* event_trace;  // kernels/event_trace.h; null until armed
 #endif
@@ -144,8 +140,6 @@ struct SplitKvMlaKernel {
   // (fp8_ds_mla: q before its quantization) from the producer's TMA (the
   // few-rows kernel reads 16 rows: its own load).
   static constexpr bool kQByTmaCapable = !kNarrow && Traits<kFormat>::kQByTma;
-  // The 64-row pairs kernel of a format that multicasts its pages (SplitKvArgs::kv_multicast).
-  static constexpr bool kMulticast = !kNarrow && Traits<kFormat>::kMulticastPairs;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -206,14 +200,9 @@ struct SplitKvMlaKernel {
           const bool page_b = Tr::kBRightFirst && ((page - c.first_page()) & 1);
           for (int n = 0; n < 2; ++n) {
             const int part = page_b ? 1 - n : n;
-            // Multicast: part `part` is the cluster's CTA of rank `part` to load
-            // (its k_empty counts both CTAs' releases); the other CTA only
-            // expects its bytes, once its own last phase of that barrier passed.
-            const bool own = !kMulticast || !args.kv_multicast || part == (m_block & 1);
-            mbarrier_wait(own ? &plan.k_empty[stage][part] : &full[part], phase ^ 1);
+            mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part], plan.k[stage], head_k, block, part,
-                                  kMulticast && args.kv_multicast, own);
+            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part], plan.k[stage], head_k, block, part);
           }
         }
         if (page == c.first_page()) issue_q();
@@ -411,9 +400,7 @@ struct SplitKvMlaKernel {
           for (int part = 0; part < 2; ++part) {
             // The 4 warps of the part's warpgroup; with P in the RoPE slab
             // (bf16), the right part also waits for WG0's.
-            // With multicast, both CTAs' (the part's loader waits on it).
-            mbarrier_init(&plan.k_empty[s][part],
-                          (part == 1 && Tr::kPInRopeSlab ? 8 : 4) * (kMulticast && args.kv_multicast ? 2 : 1));
+            mbarrier_init(&plan.k_empty[s][part], part == 1 && Tr::kPInRopeSlab ? 8 : 4);
           }
         }
       }
@@ -438,14 +425,6 @@ struct SplitKvMlaKernel {
       }
     }
     __syncthreads();
-    // Both CTAs of a multicast cluster have their barriers initialized before
-    // either arrives on the other's or copies into it.
-    if constexpr (kMulticast) {
-      if (args.kv_multicast) {
-        cute::cluster_arrive_relaxed();
-        cute::cluster_wait();
-      }
-    }
 
     // Programmatic dependent launch: everything above overlapped the previous
     // kernel's tail; inputs (scheduler metadata included) are read only after
@@ -472,14 +451,6 @@ struct SplitKvMlaKernel {
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
       if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
-    }
-    // Neither CTA of a multicast cluster exits while the other may still
-    // arrive on its barriers or copy into it (both walk the same partition).
-    if constexpr (kMulticast) {
-      if (args.kv_multicast) {
-        cute::cluster_arrive_relaxed();
-        cute::cluster_wait();
-      }
     }
   }
 };
@@ -641,7 +612,6 @@ void run_splitkv_mla(const DecodeParams& params) {
   if constexpr (Tr::kQByTma) {
     if (!narrow) args.q_by_tma = make_q_tensor_map<kFormat>(params, &args.q_map);
   }
-  args.kv_multicast = Tr::kMulticastPairs && !narrow && params.num_m_blocks % 2 == 0;
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   args.event_trace = event_trace::device_buffer();
 #endif
@@ -650,8 +620,7 @@ void run_splitkv_mla(const DecodeParams& params) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",
                "cudaFuncSetAttribute");
     launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
-                    dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla",
-                    args.kv_multicast ? 2u : 1u, args);
+                    dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
   };
   if constexpr (Tr::kNarrowRows > 0) {
     if (narrow) {

@@ -164,10 +164,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  static constexpr bool kVtBInPlace = false;  // no V^T
-  // Pages multicast to the two CTAs of consecutive m-blocks (SplitKvArgs::kv_multicast): two stages leave
-  // the pair no slack for the coupling (`mc2`, session 20).
-  static constexpr bool kMulticastPairs = false;
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -221,31 +217,18 @@ struct Traits<config::KvFormat::kBf16> {
 // swizzle (8 rows x 64 bytes atoms); nine boxes still cover the 576
 // channels, each landing as one contiguous 4 KB slab.
 //
-// Shared memory (bytes): Q 36864 + K 4 x 36864 + V^T 32768 + P 2 x 4096 + a
-// 16-byte zero row + row statistics 1024 + barriers 144, rounded up to the
-// plan's 1 KB alignment, plus 1 KB of slack: kSmemBytes = 228352 (223 KB of
-// the 227 KB opt-in limit). P has one tile per page of the pair (A, B); V^T
-// one tile for page A, page B's goes over its own slot. Each WG writes and
+// Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 x 32768 + P 2 x 4096
+// + a 16-byte zero row + row statistics 768 + barriers 96, plus 1 KB of
+// alignment slack: kSmemBytes = 224256 (219 KB of the 227 KB opt-in limit).
+// V^T and P have one buffer per page of the pair (A, B); each WG writes and
 // reads only its own 256 channels of V^T.
 template <>
 struct Traits<config::KvFormat::kFp8PerTensor> {
   using Element = cutlass::float_e4m3_t;  // q, k_cache, P
   using ElementAccum = float;
   static constexpr int kBytesPerToken = config::kHeadDimQK;  // 576
-  // Four stages: page B's V^T goes over its own slot (kVtBInPlace), which
-  // frees the 32 KB of a second V^T tile. A page A' then refills the last
-  // pair's page A, released early in that pair, instead of its page B: ~0.8 us
-  // more lead for a load that took ~3.3 us at C1, where with three stages WG0
-  // waited ~0.45 us a pair for A' (session 25's trace).
-  static constexpr int kNumStages = 4;
+  static constexpr int kNumStages = 3;
   static constexpr bool kVNeedsTranspose = true;
-  // Page B's V^T in its own slot (transpose_v_in_place), written once its S
-  // retired; the slot's parts go back when the P V on them retired. Page A
-  // keeps its own V^T tile, transposed while S_A runs.
-  static constexpr bool kVtBInPlace = true;
-  // Pages multicast to the two CTAs of consecutive m-blocks (SplitKvArgs::kv_multicast): each page crosses
-  // L2 once for both, four stages giving the coupled refills slack.
-  static constexpr bool kMulticastPairs = true;
   static constexpr bool kUsesDescale = true;
   static constexpr bool kScaleGroups = false;
   // e4m3 has no TMA data type of its own; the bytes are copied as uint8.
@@ -279,7 +262,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kTransposeBatch = 2;
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
-  static constexpr bool kBRightFirst = false;  // four stages: page B' does not reuse page B's slot
+  static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
@@ -299,7 +282,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
     alignas(1024) Element k[kNumStages][kKElems];
-    alignas(1024) Element vt[kVtBInPlace ? 1 : 2][kVtElems];  // page A (and B); WG w fills channels 256w..+255
+    alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
     alignas(1024) Element p[kNumPTiles][kPElems];
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float ref_max[2][decode_cfg::kBlockM];
@@ -361,7 +344,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
-  static constexpr bool kMulticastPairs = false;  // bound by its CUDA-core work, not by L2 reads
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
