@@ -45,9 +45,11 @@ logger=$!
 trap 'kill $logger 2> /dev/null' EXIT
 
 for mode in "${modes[@]}"; do
-  extra=()
-  [[ $mode == while || $mode == paused ]] || extra=(--trace "$work/trace_$mode")
-  [[ $mode == paused ]] && extra=(--pause 1)
+  case $mode in
+    while) extra=() ;;
+    paused) extra=(--pause 1) ;;
+    *) extra=(--trace "$work/trace_$mode") ;;
+  esac
   echo "==== $mode: XLA_FLAGS=${flags[$mode]}"
   date '+%Y/%m/%d %H:%M:%S.%3N' > "$work/start_$mode"  # nvidia-smi's timestamps: local time
   XLA_FLAGS=${flags[$mode]} timeout "${MODE_TIMEOUT:-240}" "$PY" -m jax_flash_mla.bench --skip-reference \

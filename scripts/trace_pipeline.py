@@ -31,6 +31,7 @@ PAIR_EVENTS = ("top", "S retired", "A ready", "B ready", "PV_A retired", "end", 
 DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed",
              "slot wait", "P stored")
 PRODUCER_EVENTS = ("left issued", "right issued")
+PERIOD_LABEL = "WG0 next top (period)"  # layout()'s row of the period itself
 # Per chunk, at the ring position of its first page (start, Q loaded) or last page (pages done, epilogue done).
 CHUNK_START, Q_LOADED, PAGES_DONE, EPILOGUE_DONE, SUMS_SHARED = 10, 11, 12, 13, 14
 
@@ -94,7 +95,7 @@ def layout(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
     if not spans:
         raise SystemExit("trace_pipeline: no complete period traced (too few pages per CTA?)")
     table = []
-    for label, role, offset, event in rows + [("WG0 next top (period)", 0, None, 0)]:
+    for label, role, offset, event in rows + [(PERIOD_LABEL, 0, None, 0)]:
         values = []
         for cta, a, b in spans:
             page = b if offset is None else a + offset
@@ -110,6 +111,11 @@ def layout(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
         else:
             table.append((label, float("nan"), float("nan"), float("nan"), 0))
     return table
+
+
+def period_ns(table) -> float:
+    """The median period (pair or page) of a layout() table."""
+    return next(med for label, med, *_ in table if label == PERIOD_LABEL)
 
 
 def phases(table):
@@ -130,9 +136,12 @@ def page_waits(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
     to both; fp8_ds_mla: from "slot wait" to "slot landed". A page that had landed before the wait counts 0."""
     per_ns = 1.0 / ghz(clocks)
     if kv_format == "fp8_ds_mla":
-        cases = [(f"WG{w} next page", w, 1, (7,), max) for w in (0, 1)]
+        wait_event, landed = DS_EVENTS.index("slot wait"), (DS_EVENTS.index("slot landed"),)
+        cases = [(f"WG{w} next page", w, 1, landed, max) for w in (0, 1)]
     else:
-        cases = [(f"WG{w} next S_{ab}, {which}", w, offset, (6, 7), pick)
+        wait_event = PAIR_EVENTS.index("S waits")
+        landed = (PAIR_EVENTS.index("S left landed"), PAIR_EVENTS.index("S right landed"))
+        cases = [(f"WG{w} next S_{ab}, {which}", w, offset, landed, pick)
                  for w, ab, offset in ((0, "A", 2), (1, "B", 3))
                  for which, pick in (("first part", min), ("both parts", max))]
     out = []
@@ -141,7 +150,7 @@ def page_waits(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
         for cta, a, _ in periods(stamps, kv_format):
             if a + offset >= stamps.shape[2]:
                 continue
-            wait = stamps[cta, role, a + offset, 8]
+            wait = stamps[cta, role, a + offset, wait_event]
             landed = [stamps[cta, role, a + offset, e] for e in landed_events]
             if wait > 0 and all(t > 0 for t in landed):
                 values.append(max(pick(landed) - wait, 0) * per_ns)
@@ -214,7 +223,7 @@ def print_chunks(starts, boundaries):
 
 
 def print_report(table, kv_format, pages_per_period):
-    period = next(med for label, med, *_ in table if label.startswith("WG0 next top"))
+    period = period_ns(table)
     unit = "pair" if pages_per_period == 2 else "page"
     print(f"{kv_format}: one {unit} every {period:.0f} ns (median), {period / pages_per_period:.0f} ns per 64-row "
           f"page tile")
@@ -283,7 +292,7 @@ def main(argv=None) -> int:
     _, pages_per_period = rows_for(args.format)
     table = layout(stamps, clocks, args.format)
     print_report(table, args.format, pages_per_period)
-    period = next(med for label, med, *_ in table if label.startswith("WG0 next top"))
+    period = period_ns(table)
     print_page_waits(page_waits(stamps, clocks, args.format), period)
     print_chunks(*chunk_boundaries(stamps, clocks))
     print_epilogue(epilogue_phases(stamps, clocks))
