@@ -25,7 +25,7 @@ from .sharding import write_kv_cache
 __all__ = [
     "MlaMetadata", "get_mla_metadata", "flash_mla_with_kvcache", "quantize_kv_cache", "dequantize_kv_cache",
     "write_kv_cache", "mla_decode_reference", "kernel_formats", "KV_FORMATS", "HEAD_DIM_QK", "HEAD_DIM_V",
-    "PAGE_SIZE", "DS_MLA_BYTES_PER_TOKEN", "FORCE_REFERENCE_ENV",
+    "PAGE_SIZE", "DS_MLA_BYTES_PER_TOKEN", "FORCE_REFERENCE_ENV", "export_disabled_checks",
 ]
 
 # SM count assumed off-GPU (an H200): the metadata then has the shape the kernel would use there.
@@ -42,6 +42,22 @@ class MlaMetadata(NamedTuple):
 def kernel_formats() -> frozenset:
     """Cache formats whose Hopper kernel is usable on this machine (empty off sm_90 or without the extension)."""
     return _ffi.kernel_formats() if hopper_devices_only() else frozenset()
+
+
+def export_disabled_checks() -> list:
+    """The `disabled_checks` that `jax.export.export` needs for a function that runs this package's kernels.
+
+    On a Hopper GPU the decode lowers to XLA FFI custom calls (the split-KV scheduler and the format's kernel), which
+    jax.export refuses unless each target is exempted: `jax.export.export(jax.jit(step),
+    disabled_checks=export_disabled_checks())(*args)`. The exported module then runs only where `jax_flash_mla` is
+    imported (that registers the handlers), on a Hopper GPU, with a build of the same version: the targets' operand
+    signatures carry no compatibility guarantee across versions, so re-export after upgrading. The kernel path is
+    chosen while lowering, on the exporting machine: exported where no kernel is usable (a CPU host, or
+    implementation="reference"), the module holds the jnp reference and needs no exemption. A step that jit
+    partitions through the sharding rules cannot be exported (JAX does not serialize custom_partitioning): export
+    the per-device step under `jax.shard_map` instead (README, "Exporting").
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(target) for target in _ffi.all_targets()]
 
 
 def _is_tracer(x) -> bool:

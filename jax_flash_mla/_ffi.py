@@ -16,7 +16,7 @@ import warnings
 
 import jax
 
-from .formats import check_kv_format
+from .formats import KV_FORMATS, check_kv_format
 
 TARGET_SCHED_META = "jax_flash_mla_sched_meta"
 _DECODE_PREFIX = "jax_flash_mla_decode_"
@@ -95,10 +95,15 @@ def decode_target(kv_format) -> str:
     return _DECODE_PREFIX + check_kv_format(kv_format)
 
 
+def all_targets() -> tuple:
+    """Every FFI target name this package can emit (built here or not): the scheduler's and one decoder per format."""
+    return (TARGET_SCHED_META,) + tuple(_DECODE_PREFIX + f for f in KV_FORMATS)
+
+
 def build_info() -> dict:
     """How the loaded extension was built ({} without it): CUDA on/off, CUDA version, FFI API, formats."""
     return dict(_ext.build_info()) if _ext is not None else {}
 
 
-__all__ = ["extension_available", "kernel_formats", "decode_target", "TARGET_SCHED_META",
+__all__ = ["extension_available", "kernel_formats", "decode_target", "all_targets", "TARGET_SCHED_META",
            "unavailable_reason", "build_info"]

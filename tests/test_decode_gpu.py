@@ -265,6 +265,23 @@ def test_kernel_path_is_lowered(kv_format):
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
+def test_exported_kernel_step_runs(kv_format):
+    """A decode step exported by jax.export with the kernels (fm.export_disabled_checks) runs them and gives bit for
+    bit what the same step gives under jit (serialization itself: tests/test_export.py)."""
+    rng = np.random.default_rng(6)
+    inp = make_decode_inputs(rng, b=3, s_q=2, h_q=64, h_kv=1, seqlens=np.array([300, 0, 4096], np.int32),
+                             kv_format=kv_format)
+    args, kwargs = inp.kernel_args()
+    step = jax.jit(lambda q, k, t, l: fm.flash_mla_with_kvcache(
+        q, k, t, l, 512, fm.get_mla_metadata(l, 2 * 64, 1), softmax_scale=SOFTMAX_SCALE, causal=True,
+        implementation="kernel", **kwargs))
+    exported = jax.export.export(step, disabled_checks=fm.export_disabled_checks())(*args)
+    assert _ffi.decode_target(kv_format) in exported.mlir_module()
+    for got, want in zip(jax.block_until_ready(exported.call(*args)), step(*args)):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
 def test_kernel_with_precomputed_metadata_under_jit(kv_format):
     rng = np.random.default_rng(5)
     b, s_q, h_q = 6, 2, 128
