@@ -102,6 +102,8 @@ for mode in modes:
               f"{value('traced_loop_us'):12.1f}")
     print(f"{mode:12s} {clocks(mode)}")
 EOF
+echo "==== excess of the loop over the span (the profiled modes), by tensor load"
+"$PY" scripts/loop_excess.py "$work"/bench_*.csv
 for mode in graphs graphs_prof op_by_op; do
   for d in "$work"/trace_"$mode"/*/; do
     [[ -d $d ]] || continue
