@@ -135,6 +135,26 @@ def _raise(op: str, message: str):
     raise ValueError(f"jax_flash_mla.{op}: {message}")
 
 
+def _check_exportable(ctx, op: str):
+    """jax.export cannot serialize custom_partitioning (its partitioner is a Python callback): say so, and what to
+    do, instead of JAX's NotImplementedError about host callbacks. Under a fully manual jax.shard_map, or on one
+    device, custom_partitioning lowers to the single-device op and the step exports."""
+    if not getattr(ctx.module_context.lowering_parameters, "for_export", False):
+        return
+    axis_context = ctx.module_context.axis_context
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is not None:
+        if set(getattr(axis_context, "manual_axes", ())) == set(mesh.axis_names):
+            return
+        devices = mesh.size
+    else:
+        devices = getattr(axis_context, "num_devices", 1)
+    if devices > 1:
+        _raise(op, f"jax.export cannot serialize a step that jit partitions over {devices} devices through this "
+               "op's sharding rules (custom_partitioning); export the per-device step under jax.shard_map instead "
+               "(README, 'Exporting')")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Decode
 
@@ -251,6 +271,7 @@ def _decode_abstract(q, k_cache, block_table, cache_seqlens, descale_q, descale_
 
 
 def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementation, num_sms):
+    _check_exportable(ctx, "flash_mla_with_kvcache")
     config = (softmax_scale, causal, kv_format, implementation, num_sms)
 
     def fn(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *meta):
@@ -351,6 +372,8 @@ def _write_abstract(cache, new_kv, block_table, positions, *extra, kv_format, ha
 
 
 def _write_lowering(ctx, *args, kv_format, has_scale, has_layer):
+    _check_exportable(ctx, "write_kv_cache")
+
     def fn(cache, new_kv, block_table, positions, *extra):
         extra = list(extra)
         scale = extra.pop(0) if has_scale else None

@@ -124,3 +124,22 @@ def test_head_sharded_kernel_step_has_no_partitioning_callback(kernels_lowered):
     assert _ffi.decode_target("bf16") in calls
     assert not any("SPMD" in c or "callback" in c.lower() for c in calls), calls
     _round_trip(exported)
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPU devices (tests/conftest.py asks XLA for 8)")
+def test_jit_partitioned_steps_refuse_export_with_the_way_out():
+    """Partitioned by jit through the sharding rules, decode and cache write cannot be serialized: the error names
+    the op and jax.shard_map (not JAX's NotImplementedError about host callbacks)."""
+    inp = _inputs("bf16")
+    mesh = Mesh(np.array(CPUS[:2]), ("model",))
+    specs = (P(None, None, "model"), P(), P(), P())
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inp.kernel_args()[0], specs)]
+    with pytest.raises(ValueError, match=r"flash_mla_with_kvcache: jax\.export .* jax\.shard_map"):
+        jax.export.export(jax.jit(_step(inp)))(*args)
+
+    cache = args[1]
+    new_kv = jax.device_put(jnp.ones((B, 1, 1, 576), jnp.bfloat16), NamedSharding(mesh, P()))
+    positions = jnp.array([[130], [5]], jnp.int32)
+    write = jax.jit(lambda c, n, t, p: fm.write_kv_cache(c, n, t, p, "bf16"))
+    with pytest.raises(ValueError, match=r"write_kv_cache: jax\.export .* jax\.shard_map"):
+        jax.export.export(write)(cache, new_kv, args[2], positions)
