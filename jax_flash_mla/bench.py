@@ -32,8 +32,10 @@ splitkv_mla, so the kernels' durations are not summed). The loop figure stays in
 loop pays a call, measured without the profiler, which sees a shorter period per call (docs/PERF.md, session 25). The
 two runs do not execute alike: while a profiler session is active, XLA launches the thunks of its command buffers (CUDA
 graphs) one by one, unless XLA_FLAGS has `--xla_enable_command_buffers_during_profiling=true`; the timed runs replay
-the graphs. `scripts/loop_modes.sh` times the loop with and without command buffers. The run's XLA_FLAGS are printed
-with the device.
+the graphs. And the card idles while the profiler starts, so the profiled run starts rested, the timed runs after
+their warm-ups: `--trace-runs N` profiles N runs back to back and takes the span from the last (N = 2 + repeats: the
+load history of the timed runs). `scripts/loop_modes.sh` times the loop with and without command buffers. The run's
+XLA_FLAGS are printed with the device.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
                "unrolled", "pause_s", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us",
-               "splitkv_us", "combine_us", "traced_loop_us")
+               "splitkv_us", "combine_us", "traced_loop_us", "trace_runs", "span_first_run_us")
 
 
 class Timing(NamedTuple):
@@ -116,7 +118,7 @@ def _pick(x, checksum):
 
 
 def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = False, trace_dir=None,
-              pause_s: float = 0.0) -> Timing:
+              pause_s: float = 0.0, trace_runs: int = 1) -> Timing:
     """Device µs of one `carry = body(i, carry, args)`.
 
     `iters` of them run in one jitted fori_loop (a static trip count) whose carry is donated, so the loop state
@@ -124,7 +126,8 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
     excluded; median, min and max over `repeats` runs. `unroll`: straight-line code instead of a while loop (whose
     predicate may cost a host round trip per iteration on a GPU); only for bodies whose iterations stay apart
     through real data dependencies: unrolled, XLA drops the optimization barriers, fuses elementwise iterations
-    into one pass and merges identical ones. `trace_dir`: one more run under the profiler, written there.
+    into one pass and merges identical ones. `trace_dir`: `trace_runs` more runs, back to back, under the profiler,
+    written there (traced_us: the last one's wall time per call).
     `pause_s`: the device idles that long before each timed run, as it does before the profiled one (whether the
     card's clock under back-to-back runs is what sets the loop figure apart from the profiled period).
     """
@@ -143,15 +146,16 @@ def time_loop(body, carry, args=(), *, iters: int, repeats: int, unroll: bool = 
     traced_us = math.nan
     if trace_dir:  # after the timed runs, which must not pay for the profiler
         with jax.profiler.trace(trace_dir):
-            start = time.perf_counter()
-            jax.block_until_ready(run(carry, args))
-            traced_us = (time.perf_counter() - start) * 1e6 / iters
+            for _ in range(trace_runs):
+                start = time.perf_counter()
+                carry = jax.block_until_ready(run(carry, args))
+                traced_us = (time.perf_counter() - start) * 1e6 / iters
     us = np.asarray(seconds) * 1e6 / iters
     return Timing(float(np.median(us)), float(us.min()), float(us.max()), traced_us)
 
 
 def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False, trace_dir=None,
-                  pause_s: float = 0.0) -> Timing:
+                  pause_s: float = 0.0, trace_runs: int = 1) -> Timing:
     """Device µs of one `step(i, checksum, *args)` (see the module docstring for the loop).
 
     `args` and the running checksum pass through an optimization barrier each iteration, so no part of the step is
@@ -163,7 +167,7 @@ def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False,
         outputs = step(i, checksum, *args)
         return checksum + sum(_pick(x, checksum).astype(jnp.float32) for x in jax.tree.leaves(outputs))
     return time_loop(body, jnp.float32(0), args, iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir,
-                     pause_s=pause_s)
+                     pause_s=pause_s, trace_runs=trace_runs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,7 +178,8 @@ def time_per_call(step, args, *, iters: int, repeats: int, unroll: bool = False,
 NOT_KERNEL_NAME = re.compile(r"Memcpy|Memset|MemoryAlloc|MemoryFree|MemoryResidency|Overhead")
 NOT_KERNEL_ARGS = ("memcpy_details", "memset_details", "memalloc_details", "memfree_details",
                    "memory_residency_details")
-NO_KERNEL_TIMES = dict(span_us=math.nan, gpu_busy_us=math.nan, splitkv_us=math.nan, combine_us=math.nan)
+NO_KERNEL_TIMES = dict(span_us=math.nan, gpu_busy_us=math.nan, splitkv_us=math.nan, combine_us=math.nan,
+                       span_first_run_us=math.nan)
 
 
 def trace_events(trace_dir) -> list:
@@ -220,13 +225,16 @@ def busy_and_gaps(intervals, begin=None, end=None, min_gap=2.0):
     return busy, gaps
 
 
-def decode_kernel_times(events, iters: int) -> dict:
-    """Device µs per call from the trace events of a loop of `iters` decode calls; NaNs without splitkv_mla launches.
+def decode_kernel_times(events, iters: int, runs: int = 1) -> dict:
+    """Device µs per call from the trace events of `runs` back-to-back loops of `iters` decode calls; NaNs without
+    splitkv_mla launches.
 
-    span_us: median over calls from a call's splitkv_mla start to the end of its last decode kernel; gpu_busy_us: the
-    time the device processes' kernels cover (overlaps once), the loop's glue included, / iters; splitkv_us /
-    combine_us: median duration of each kernel alone (combine: over the calls that launched one; NaN if none did). A
-    call is one splitkv_mla launch and the first combine launch after it, if any, before the next splitkv_mla.
+    span_us: median over the last run's calls from a call's splitkv_mla start to the end of its last decode kernel
+    (span_first_run_us: the same over the first run's calls: the card rested before it, not before the last);
+    gpu_busy_us: the time the device processes' kernels cover (overlaps once), the loop's glue included, / all calls;
+    splitkv_us / combine_us: median duration of each kernel alone over the last run (combine: over the calls that
+    launched one; NaN if none did). A call is one splitkv_mla launch and the first combine launch after it, if any,
+    before the next splitkv_mla.
     """
     devices = device_pids(events)
     kernels = sorted((e for e in events if e.get("ph") == "X" and e["pid"] in devices and _is_kernel(e)),
@@ -240,10 +248,12 @@ def decode_kernel_times(events, iters: int) -> dict:
     if not calls:
         return dict(NO_KERNEL_TIMES)
     # Under programmatic dependent launch, combine starts before splitkv_mla ends: the span counts the overlap once.
-    combines = [call[1]["dur"] for call in calls if len(call) == 2]
-    return dict(span_us=float(np.median([max(e["ts"] + e["dur"] for e in call) - call[0]["ts"] for call in calls])),
-                gpu_busy_us=busy_and_gaps([(e["ts"], e["dur"]) for e in kernels])[0] / iters,
-                splitkv_us=float(np.median([call[0]["dur"] for call in calls])),
+    span = lambda some: float(np.median([max(e["ts"] + e["dur"] for e in call) - call[0]["ts"] for call in some]))
+    last = calls[-iters:]
+    combines = [call[1]["dur"] for call in last if len(call) == 2]
+    return dict(span_us=span(last), span_first_run_us=span(calls[:iters]),
+                gpu_busy_us=busy_and_gaps([(e["ts"], e["dur"]) for e in kernels])[0] / (iters * runs),
+                splitkv_us=float(np.median([call[0]["dur"] for call in last])),
                 combine_us=float(np.median(combines)) if combines else math.nan)
 
 
@@ -426,11 +436,11 @@ def result_row(shape: Shape, kv_format, path, timing: Timing, lengths, ceilings:
 
 
 def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_reference, ceilings, iters, repeats,
-                progress: Progress, seed, unroll=False, trace_root=None, pause_s=0.0):
+                progress: Progress, seed, unroll=False, trace_root=None, pause_s=0.0, trace_runs=1):
     """Times every (format, path) of one shape; returns CSV rows, plus rows with no_kernel=True for the table.
 
     `trace_root`: each kernel case is also traced, into <trace_root>/<shape>_<format>, for `decode_kernel_times`.
-    `pause_s`: idle seconds before each timed run of a decode (time_loop).
+    `pause_s`: idle seconds before each timed run of a decode (time_loop). `trace_runs`: runs of the profiled loop.
     """
     rng = np.random.default_rng([seed, list(SHAPES).index(shape.name)])
     lengths = sequence_lengths(shape, batch, seqlen, rng)
@@ -457,15 +467,19 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
             traced = trace_root and path == "kernel"
             trace_dir = os.path.join(trace_root, f"{shape.name}_{kv_format}") if traced else None
             timing = time_per_call(decode_step(shape, kv_format, path), (q_in, tables, cache, seqlens, meta, scales),
-                                   iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir, pause_s=pause_s)
-            kernel_times = decode_kernel_times(trace_events(trace_dir), iters) if trace_dir else NO_KERNEL_TIMES
+                                   iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir, pause_s=pause_s,
+                                   trace_runs=trace_runs)
+            kernel_times = (decode_kernel_times(trace_events(trace_dir), iters, trace_runs) if trace_dir
+                            else NO_KERNEL_TIMES)
             by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup | \
-                kernel_times | dict(traced_loop_us=timing.traced_us)
+                kernel_times | dict(traced_loop_us=timing.traced_us, trace_runs=trace_runs if trace_dir else 0)
             progress.case(f"{shape.name} {kv_format} {path}: {timing.median_us:.1f} us "
                           f"({timing.min_us:.1f}-{timing.max_us:.1f})" +
                           (f"; decode kernels' span {kernel_times['span_us']:.1f} us (splitkv_mla "
                            f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f}; "
-                           f"the profiled run's loop {timing.traced_us:.1f} us)" if trace_dir else ""))
+                           f"the profiled run's loop {timing.traced_us:.1f} us" +
+                           (f"; first of {trace_runs} profiled runs: span {kernel_times['span_first_run_us']:.1f} us"
+                            if trace_runs > 1 else "") + ")" if trace_dir else ""))
         if len(by_path) == 2:
             by_path["kernel"]["speedup_vs_reference"] = by_path["reference"]["us_median"] / \
                 by_path["kernel"]["us_median"]
@@ -562,6 +576,10 @@ def main(argv=None):
                              "bench_trace under $OUT, else the cwd) and report the decode kernels' device time per "
                              "call (CSV span_us, gpu_busy_us, splitkv_us, combine_us, and traced_loop_us, the "
                              "profiled run's wall time per call; table column span)")
+    parser.add_argument("--trace-runs", type=int, default=1, metavar="N",
+                        help="with --trace, profile N back-to-back runs of each loop (default 1), the span from the "
+                             "last (CSV span_first_run_us: the first's); N = 2 + repeats gives the profiled runs the "
+                             "load history of the timed ones (two warm-ups and the repeats)")
     parser.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
                         help="let the GPU idle this long before each timed run of a decode (default 0: runs back to "
                              "back); the profiled run of --trace follows the profiler's start-up, an idle time too")
@@ -576,6 +594,8 @@ def main(argv=None):
         parser.error("--batch, --seqlen, --iters and --repeats must be positive")
     if not 0 <= args.pause <= 60:
         parser.error("--pause must be between 0 and 60 seconds")
+    if not 1 <= args.trace_runs <= 100 or (args.trace_runs > 1 and args.trace is None):
+        parser.error("--trace-runs must be between 1 and 100, and needs --trace")
     usable = kernel_formats()
     device = f"jax {jax.__version__} on {jax.devices()[0].device_kind}; kernels usable: {sorted(usable) or 'none'}"
     if os.environ.get("XLA_FLAGS"):
@@ -592,7 +612,7 @@ def main(argv=None):
         rows += bench_shape(SHAPES[name], args.formats, batch=batch, seqlen=seqlen, anchors=anchors,
                             skip_reference=args.skip_reference, ceilings=ceilings, iters=iters, repeats=repeats,
                             progress=progress, seed=args.seed, unroll=args.unroll, trace_root=trace_root,
-                            pause_s=args.pause)
+                            pause_s=args.pause, trace_runs=args.trace_runs)
 
     measured = [r for r in rows if not r.get("no_kernel")]
     csv_path, png_path = output_path(args.csv, "bench.csv"), output_path(args.png, "bench.png")
@@ -611,8 +631,9 @@ def main(argv=None):
           "fl/us = floor / time ('!' over 1: not a real measurement); xref = reference / kernel; xFlashMLA, xPR54 = "
           "anchor / time (> 1 is faster)")
     if trace_root:
+        runs = "one more run" if args.trace_runs == 1 else f"the last of {args.trace_runs} more runs, back to back,"
         print(f"span = median device time per call from splitkv_mla's start to combine's end (profiler records of "
-              f"one more run of the loop; the other rates and fractions use us); traces under {trace_root}")
+              f"{runs} of the loop; the other rates and fractions use us); traces under {trace_root}")
     print(f"CSV {csv_path}" + (f"; PNG {png_path}" if plotted else ""))
     print_table(rows, traced=bool(trace_root))
     return measured

@@ -5,11 +5,14 @@
 # same loop in several XLA modes, each in its own process (XLA_FLAGS are read once), and logs the SM clock and the
 # power draw meanwhile, in case the difference is the card's clock:
 #   graphs       XLA's defaults (the bench as usual); profiled op by op, as before
+#   sustained    the same, its profiled loop run 2 + REPEATS times back to back (bench --trace-runs), the span from the
+#                last run: the load history of the timed runs, where the single profiled run starts on a rested card
 #   graphs_prof  the same, profiled with the graphs replayed (--xla_enable_command_buffers_during_profiling=true)
 #   op_by_op     no command buffers at all (--xla_gpu_enable_command_buffer=): timed as it was profiled
 #   while        the whole loop in one graph (+WHILE: conditional nodes, no host round trip per call)
 #   paused       XLA's defaults, the GPU idle for 1 s before each timed run (bench --pause 1), as it is before the
 #                profiled run: if the card's clock drops under back-to-back runs, this one times near the period
+#                (and `sustained`'s last span sits near the loop figure less its glue, its first near `graphs`' span)
 # On the GPU machine, with the build to time as .carry_<BUILD> (default: the package as installed here):
 #   BUILD=main FORMATS="bf16 fp8_per_tensor" SHAPES=C1,C2 bash scripts/loop_modes.sh
 # BENCH_ARGS: more bench arguments (e.g. --iters 200). Prints per mode and case the loop figure, the profiled span
@@ -29,12 +32,13 @@ fi
 
 declare -A flags=(
   [graphs]=""
+  [sustained]=""
   [graphs_prof]="--xla_enable_command_buffers_during_profiling=true"
   [op_by_op]="--xla_gpu_enable_command_buffer="
   [while]="--xla_gpu_enable_command_buffer=+WHILE"
   [paused]=""
 )
-modes=(graphs graphs_prof op_by_op while paused)
+modes=(graphs sustained graphs_prof op_by_op while paused)
 
 # The clock log: one line every 100 ms for the whole run. Older drivers call the reasons field clocks_throttle_reasons.
 query=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
@@ -48,6 +52,7 @@ for mode in "${modes[@]}"; do
   case $mode in
     while) extra=() ;;
     paused) extra=(--pause 1) ;;
+    sustained) extra=(--trace "$work/trace_$mode" --trace-runs $((2 + repeats))) ;;
     *) extra=(--trace "$work/trace_$mode") ;;
   esac
   echo "==== $mode: XLA_FLAGS=${flags[$mode]}"
@@ -87,8 +92,9 @@ def clocks(mode):
     return (f"SM {statistics.median(r[1] for r in rows):.0f} MHz (min {min(r[1] for r in rows):.0f}), "
             f"{statistics.median(r[2] for r in rows):.0f} W" + (f", reasons {' '.join(reasons)}" if reasons else ""))
 
-print("\n==== loop modes (us per call; span / period: profiled run; traced loop: the profiled run's wall time)")
-print(f"{'mode':12s} {'case':22s} {'loop':>8s} {'span':>8s} {'traced loop':>12s}")
+print("\n==== loop modes (us per call; span: the (last) profiled run's; first span: the first of several profiled runs;"
+      " traced loop: the last profiled run's wall time)")
+print(f"{'mode':12s} {'case':22s} {'loop':>8s} {'span':>8s} {'first span':>11s} {'traced loop':>12s}")
 for mode in modes:
     path = os.path.join(work, f"bench_{mode}.csv")
     if not os.path.exists(path):
@@ -99,7 +105,7 @@ for mode in modes:
             continue
         value = lambda k: float(row[k]) if row.get(k) not in (None, "") else math.nan
         print(f"{mode:12s} {row['shape'] + ' ' + row['format']:22s} {value('us_median'):8.1f} {value('span_us'):8.1f} "
-              f"{value('traced_loop_us'):12.1f}")
+              f"{value('span_first_run_us'):11.1f} {value('traced_loop_us'):12.1f}")
     print(f"{mode:12s} {clocks(mode)}")
 EOF
 echo "==== excess of the loop over the span (the profiled modes), by tensor load"

@@ -63,6 +63,20 @@ def test_call_without_combine():
     assert times["combine_us"] == 4.0  # the one call with a combine (the later combine is no call's)
 
 
+def test_runs_back_to_back():
+    """Two profiled runs of two calls each: the span and the kernels' durations come from the last run, the first
+    run's span beside it; the busy time is per call over both runs."""
+    events = metadata() + [kernel(SPLITKV, 0.0, 30.0), kernel(COMBINE, 29.0, 3.0),
+                           kernel(SPLITKV, 40.0, 32.0), kernel(COMBINE, 71.0, 3.0),
+                           kernel(SPLITKV, 200.0, 36.0), kernel(COMBINE, 235.0, 5.0),
+                           kernel(SPLITKV, 250.0, 38.0), kernel(COMBINE, 287.0, 5.0)]
+    times = bench.decode_kernel_times(events, iters=2, runs=2)
+    assert times["span_first_run_us"] == 33.0  # median of 32, 34
+    assert times["span_us"] == 41.0  # median of 40, 42
+    assert times["splitkv_us"] == 37.0 and times["combine_us"] == 5.0
+    assert times["gpu_busy_us"] == (32.0 + 34.0 + 40.0 + 42.0) / 4
+
+
 def test_busy_and_gaps():
     """Overlaps count once; gaps inside [begin, end) longer than min_gap, as (offset from begin, length)."""
     intervals = [(0.0, 10.0), (5.0, 10.0), (20.0, 1.0), (22.0, 3.0), (40.0, 5.0)]
@@ -77,23 +91,36 @@ def test_no_splitkv_is_nan():
     events = metadata() + [kernel("loop_dot_fusion", 0.0, 300.0), kernel(COMBINE, 301.0, 5.0),
                            kernel(SPLITKV, 0.0, 30.0, pid=HOST)]
     times = bench.decode_kernel_times(events, iters=1)
-    assert set(times) == {"span_us", "gpu_busy_us", "splitkv_us", "combine_us"}
+    assert set(times) == {"span_us", "gpu_busy_us", "splitkv_us", "combine_us", "span_first_run_us"}
     assert all(math.isnan(v) for v in times.values())
 
 
 def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
-    """--trace on a CPU: the kernel case (the reference, as in test_cli) is profiled into its folder; with no
-    splitkv_mla there the new columns are NaN, and the table gets its span column after max."""
+    """--trace on a CPU: the kernel case (the reference, as in test_cli) is profiled into its folder (two runs of the
+    loop, the donated carry passed from one to the next); with no splitkv_mla there the new columns are NaN, and the
+    table gets its span column after max."""
     real_step = bench.decode_step
     monkeypatch.setattr(bench, "kernel_formats", lambda: frozenset({"bf16"}))
     monkeypatch.setattr(bench, "decode_step", lambda shape, kv_format, path: real_step(shape, kv_format, "reference"))
     bench.main(["--quick", "--shapes", "M1", "--formats", "bf16", "--batch", "1", "--seqlen", "64", "--iters", "1",
-                "--repeats", "1", "--skip-reference", "--trace", str(tmp_path / "trace"),
+                "--repeats", "1", "--skip-reference", "--trace", str(tmp_path / "trace"), "--trace-runs", "2",
                 "--csv", str(tmp_path / "b.csv"), "--png", str(tmp_path / "b.png")])
     assert bench.trace_events(str(tmp_path / "trace" / "M1_bf16"))  # the profiled run was written
     with open(tmp_path / "b.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
-    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us", "splitkv_us", "combine_us"))
+    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us", "splitkv_us", "combine_us",
+                                                    "span_first_run_us"))
     assert float(row["traced_loop_us"]) > 0  # the profiled run's wall time per call
+    assert row["trace_runs"] == "2"
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shape"))
     assert header.split()[3:8] == ["us", "min", "max", "span", "TFLOPS"]
+
+
+def test_trace_runs_needs_trace(tmp_path):
+    for args in (["--trace-runs", "2"], ["--trace", str(tmp_path), "--trace-runs", "0"]):
+        try:
+            bench.main(["--quick", "--shapes", "M1", "--formats", "bf16", *args])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{args} was accepted")
