@@ -79,15 +79,18 @@ def test_kernel_step_exports_with_the_exemptions(kv_format, kernels_lowered):
         pytest.skip(f"this build has no {kv_format} kernel (no CUDA toolkit, or JAX_FLASH_MLA_DISABLE_FP8)")
     inp = _inputs(kv_format)
     args, _ = inp.kernel_args()
-    step = jax.jit(_step(inp, implementation="kernel"))
+    step = jax.jit(_step(inp))  # "auto": the kernels on CUDA (patched usable), the reference elsewhere
     with pytest.raises(ValueError, match="custom calls whose targets have no compatibility guarantees"):
         jax.export.export(step, platforms=("cuda",))(*args)
-    exported = jax.export.export(step, platforms=("cuda",), disabled_checks=fm.export_disabled_checks())(*args)
+    # One module for both platforms: the kernels on CUDA, the jnp reference on the CPU, which runs it here.
+    exported = jax.export.export(step, platforms=("cpu", "cuda"), disabled_checks=fm.export_disabled_checks())(*args)
     assert _custom_calls(exported) >= {_ffi.TARGET_SCHED_META, _ffi.decode_target(kv_format)}
     restored = _round_trip(exported)
-    assert restored.platforms == ("cuda",)
-    assert restored.in_avals == exported.in_avals and restored.out_avals == exported.out_avals
+    assert restored.platforms == ("cpu", "cuda")
     assert [a.shape for a in restored.out_avals] == [(B, S_Q, H_Q, 512), (B, H_Q, S_Q)]
+    reference_step = jax.jit(_step(inp, implementation="reference"))
+    for got, want in zip(restored.call(*args), reference_step(*args)):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 def _head_sharded(inp, mesh, **extra):
