@@ -58,6 +58,7 @@ hide it.
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 
@@ -71,7 +72,7 @@ import jax_flash_mla as fm
 from jax_flash_mla import _ffi
 
 from jax_flash_mla.accuracy import README_EMULATION, README_KERNEL, REGRESSION_FACTOR
-from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel
+from oracle import GARBAGE_BLOCK, SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel
 
 # JAX_FLASH_MLA_REQUIRE_GPU=1 (scripts/gpu_check.sh) turns the skips into failures: a format that did not build or
 # load then fails its tests instead of passing them silently. FP8 formats left out on purpose
@@ -279,6 +280,33 @@ def test_exported_kernel_step_runs(kv_format):
     assert _ffi.decode_target(kv_format) in exported.mlir_module()
     for got, want in zip(jax.block_until_ready(exported.call(*args)), step(*args)):
         assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("s_q, h_q", [(2, 64), pytest.param(1, 16, marks=few_rows)])  # 128 rows; 16
+def test_kernel_reads_pages_past_4gib(s_q, h_q, kv_format):
+    """A serving cache is larger than 4 GiB: the same pages moved to the end of such a cache (every used page more
+    than 2^32 bytes past its start; the blocks before them zero) give bit for bit the same results, so no byte
+    offset of a page wraps at 32 bits."""
+    rng = np.random.default_rng(8)
+    inp = make_decode_inputs(rng, b=2, s_q=s_q, h_q=h_q, h_kv=1, seqlens=np.array([4096, 300], np.int32),
+                             kv_format=kv_format)
+    (q, small, table, seqlens), kwargs = inp.kernel_args()
+    page_bytes = math.prod(small.shape[1:]) * small.dtype.itemsize
+    offset = -(-(2**32 + 2**26) // page_bytes)
+    # Built on the device in one buffer (jnp.zeros and the update fuse in place): ~4.1 GB, no host copy.
+    big = jax.jit(lambda pages: jnp.zeros((offset + pages.shape[0], *pages.shape[1:]), pages.dtype)
+                  .at[offset:].set(pages))(small)
+    moved = jnp.where(table == GARBAGE_BLOCK, table, table + offset)
+    run = lambda cache, block_table: jax.block_until_ready(fm.flash_mla_with_kvcache(
+        q, cache, block_table, seqlens, softmax_scale=SOFTMAX_SCALE, causal=True, implementation="kernel", **kwargs))
+    want = run(small, table)
+    got = run(big, moved)
+    del big
+    for x, y in zip(got, want):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    ref_out, ref_lse = _references(inp, True)
+    _check(*want, ref_out, ref_lse, kv_format)
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
