@@ -95,7 +95,7 @@ CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads
                "frac_copy_bw", "frac_bf16_gemm", "frac_fp8_gemm", "floor_us", "floor_over_us",
                "speedup_vs_reference", "speedup_vs_flashmla_bf16", "speedup_vs_pr54_fp8", "loop_overhead_us",
                "unrolled", "pause_s", "copy_gbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "span_us", "gpu_busy_us",
-               "splitkv_us", "combine_us", "traced_loop_us", "trace_runs", "span_first_run_us")
+               "splitkv_us", "combine_us", "traced_loop_us", "trace_runs", "span_by_run_us")
 
 
 class Timing(NamedTuple):
@@ -179,7 +179,7 @@ NOT_KERNEL_NAME = re.compile(r"Memcpy|Memset|MemoryAlloc|MemoryFree|MemoryReside
 NOT_KERNEL_ARGS = ("memcpy_details", "memset_details", "memalloc_details", "memfree_details",
                    "memory_residency_details")
 NO_KERNEL_TIMES = dict(span_us=math.nan, gpu_busy_us=math.nan, splitkv_us=math.nan, combine_us=math.nan,
-                       span_first_run_us=math.nan)
+                       span_by_run_us="")
 
 
 def trace_events(trace_dir) -> list:
@@ -230,7 +230,7 @@ def decode_kernel_times(events, iters: int, runs: int = 1) -> dict:
     splitkv_mla launches.
 
     span_us: median over the last run's calls from a call's splitkv_mla start to the end of its last decode kernel
-    (span_first_run_us: the same over the first run's calls: the card rested before it, not before the last);
+    (span_by_run_us: the same for each run in order, space-separated: the card rested before the first run only);
     gpu_busy_us: the time the device processes' kernels cover (overlaps once), the loop's glue included, / all calls;
     splitkv_us / combine_us: median duration of each kernel alone over the last run (combine: over the calls that
     launched one; NaN if none did). A call is one splitkv_mla launch and the first combine launch after it, if any,
@@ -251,7 +251,8 @@ def decode_kernel_times(events, iters: int, runs: int = 1) -> dict:
     span = lambda some: float(np.median([max(e["ts"] + e["dur"] for e in call) - call[0]["ts"] for call in some]))
     last = calls[-iters:]
     combines = [call[1]["dur"] for call in last if len(call) == 2]
-    return dict(span_us=span(last), span_first_run_us=span(calls[:iters]),
+    by_run = [calls[i:i + iters] for i in range(0, len(calls), iters)]
+    return dict(span_us=span(last), span_by_run_us=" ".join(f"{span(run):.1f}" for run in by_run),
                 gpu_busy_us=busy_and_gaps([(e["ts"], e["dur"]) for e in kernels])[0] / (iters * runs),
                 splitkv_us=float(np.median([call[0]["dur"] for call in last])),
                 combine_us=float(np.median(combines)) if combines else math.nan)
@@ -478,7 +479,7 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
                           (f"; decode kernels' span {kernel_times['span_us']:.1f} us (splitkv_mla "
                            f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f}; "
                            f"the profiled run's loop {timing.traced_us:.1f} us" +
-                           (f"; first of {trace_runs} profiled runs: span {kernel_times['span_first_run_us']:.1f} us"
+                           (f"; spans of the {trace_runs} profiled runs: {kernel_times['span_by_run_us']} us"
                             if trace_runs > 1 else "") + ")" if trace_dir else ""))
         if len(by_path) == 2:
             by_path["kernel"]["speedup_vs_reference"] = by_path["reference"]["us_median"] / \
@@ -578,7 +579,7 @@ def main(argv=None):
                              "profiled run's wall time per call; table column span)")
     parser.add_argument("--trace-runs", type=int, default=1, metavar="N",
                         help="with --trace, profile N back-to-back runs of each loop (default 1), the span from the "
-                             "last (CSV span_first_run_us: the first's); N = 2 + repeats gives the profiled runs the "
+                             "last (CSV span_by_run_us: each run's); N = 2 + repeats gives the profiled runs the "
                              "load history of the timed ones (two warm-ups and the repeats)")
     parser.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
                         help="let the GPU idle this long before each timed run of a decode (default 0: runs back to "

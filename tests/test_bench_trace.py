@@ -64,15 +64,15 @@ def test_call_without_combine():
 
 
 def test_runs_back_to_back():
-    """Two profiled runs of two calls each: the span and the kernels' durations come from the last run, the first
-    run's span beside it; the busy time is per call over both runs."""
+    """Two profiled runs of two calls each: the span and the kernels' durations come from the last run, each run's
+    span listed in order; the busy time is per call over both runs."""
     events = metadata() + [kernel(SPLITKV, 0.0, 30.0), kernel(COMBINE, 29.0, 3.0),
                            kernel(SPLITKV, 40.0, 32.0), kernel(COMBINE, 71.0, 3.0),
                            kernel(SPLITKV, 200.0, 36.0), kernel(COMBINE, 235.0, 5.0),
                            kernel(SPLITKV, 250.0, 38.0), kernel(COMBINE, 287.0, 5.0)]
     times = bench.decode_kernel_times(events, iters=2, runs=2)
-    assert times["span_first_run_us"] == 33.0  # median of 32, 34
-    assert times["span_us"] == 41.0  # median of 40, 42
+    assert times["span_by_run_us"] == "33.0 41.0"  # medians of 32, 34 and of 40, 42
+    assert times["span_us"] == 41.0
     assert times["splitkv_us"] == 37.0 and times["combine_us"] == 5.0
     assert times["gpu_busy_us"] == (32.0 + 34.0 + 40.0 + 42.0) / 4
 
@@ -91,8 +91,9 @@ def test_no_splitkv_is_nan():
     events = metadata() + [kernel("loop_dot_fusion", 0.0, 300.0), kernel(COMBINE, 301.0, 5.0),
                            kernel(SPLITKV, 0.0, 30.0, pid=HOST)]
     times = bench.decode_kernel_times(events, iters=1)
-    assert set(times) == {"span_us", "gpu_busy_us", "splitkv_us", "combine_us", "span_first_run_us"}
-    assert all(math.isnan(v) for v in times.values())
+    assert set(times) == {"span_us", "gpu_busy_us", "splitkv_us", "combine_us", "span_by_run_us"}
+    assert times["span_by_run_us"] == ""
+    assert all(math.isnan(v) for k, v in times.items() if k != "span_by_run_us")
 
 
 def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
@@ -108,8 +109,8 @@ def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
     assert bench.trace_events(str(tmp_path / "trace" / "M1_bf16"))  # the profiled run was written
     with open(tmp_path / "b.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
-    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us", "splitkv_us", "combine_us",
-                                                    "span_first_run_us"))
+    assert all(math.isnan(float(row[k])) for k in ("span_us", "gpu_busy_us", "splitkv_us", "combine_us"))
+    assert row["span_by_run_us"] == ""
     assert float(row["traced_loop_us"]) > 0  # the profiled run's wall time per call
     assert row["trace_runs"] == "2"
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shape"))
