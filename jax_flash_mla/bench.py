@@ -225,8 +225,8 @@ def busy_and_gaps(intervals, begin=None, end=None, min_gap=2.0):
     return busy, gaps
 
 
-def decode_kernel_times(events, iters: int, runs: int = 1) -> dict:
-    """Device µs per call from the trace events of `runs` back-to-back loops of `iters` decode calls; NaNs without
+def decode_kernel_times(events, iters: int) -> dict:
+    """Device µs per call from the trace events of back-to-back loops of `iters` decode calls each; NaNs without
     splitkv_mla launches.
 
     span_us: median over the last run's calls from a call's splitkv_mla start to the end of its last decode kernel
@@ -253,7 +253,7 @@ def decode_kernel_times(events, iters: int, runs: int = 1) -> dict:
     combines = [call[1]["dur"] for call in last if len(call) == 2]
     by_run = [calls[i:i + iters] for i in range(0, len(calls), iters)]
     return dict(span_us=span(last), span_by_run_us=" ".join(f"{span(run):.1f}" for run in by_run),
-                gpu_busy_us=busy_and_gaps([(e["ts"], e["dur"]) for e in kernels])[0] / (iters * runs),
+                gpu_busy_us=busy_and_gaps([(e["ts"], e["dur"]) for e in kernels])[0] / len(calls),
                 splitkv_us=float(np.median([call[0]["dur"] for call in last])),
                 combine_us=float(np.median(combines)) if combines else math.nan)
 
@@ -470,17 +470,19 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
             timing = time_per_call(decode_step(shape, kv_format, path), (q_in, tables, cache, seqlens, meta, scales),
                                    iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir, pause_s=pause_s,
                                    trace_runs=trace_runs)
-            kernel_times = (decode_kernel_times(trace_events(trace_dir), iters, trace_runs) if trace_dir
-                            else NO_KERNEL_TIMES)
+            kernel_times = decode_kernel_times(trace_events(trace_dir), iters) if trace_dir else NO_KERNEL_TIMES
             by_path[path] = result_row(shape, kv_format, path, timing, lengths, ceilings, with_anchors) | setup | \
                 kernel_times | dict(traced_loop_us=timing.traced_us, trace_runs=trace_runs if trace_dir else 0)
+            traced_note = ""
+            if trace_dir:
+                traced_note = (f"; decode kernels' span {kernel_times['span_us']:.1f} us (splitkv_mla "
+                               f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f}; "
+                               f"the profiled run's loop {timing.traced_us:.1f} us")
+                if trace_runs > 1:
+                    traced_note += f"; spans of the {trace_runs} profiled runs: {kernel_times['span_by_run_us']} us"
+                traced_note += ")"
             progress.case(f"{shape.name} {kv_format} {path}: {timing.median_us:.1f} us "
-                          f"({timing.min_us:.1f}-{timing.max_us:.1f})" +
-                          (f"; decode kernels' span {kernel_times['span_us']:.1f} us (splitkv_mla "
-                           f"{kernel_times['splitkv_us']:.1f}, combine {kernel_times['combine_us']:.1f}; "
-                           f"the profiled run's loop {timing.traced_us:.1f} us" +
-                           (f"; spans of the {trace_runs} profiled runs: {kernel_times['span_by_run_us']} us"
-                            if trace_runs > 1 else "") + ")" if trace_dir else ""))
+                          f"({timing.min_us:.1f}-{timing.max_us:.1f}){traced_note}")
         if len(by_path) == 2:
             by_path["kernel"]["speedup_vs_reference"] = by_path["reference"]["us_median"] / \
                 by_path["kernel"]["us_median"]

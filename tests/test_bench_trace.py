@@ -70,7 +70,7 @@ def test_runs_back_to_back():
                            kernel(SPLITKV, 40.0, 32.0), kernel(COMBINE, 71.0, 3.0),
                            kernel(SPLITKV, 200.0, 36.0), kernel(COMBINE, 235.0, 5.0),
                            kernel(SPLITKV, 250.0, 38.0), kernel(COMBINE, 287.0, 5.0)]
-    times = bench.decode_kernel_times(events, iters=2, runs=2)
+    times = bench.decode_kernel_times(events, iters=2)
     assert times["span_by_run_us"] == "33.0 41.0"  # medians of 32, 34 and of 40, 42
     assert times["span_us"] == 41.0
     assert times["splitkv_us"] == 37.0 and times["combine_us"] == 5.0
