@@ -15,6 +15,7 @@ rows that see nothing) or [64, 5, 191] (a full page). Every cache holds NaN in i
 every block table a garbage entry (2147480000) past the used pages.
 """
 
+import functools
 import itertools
 
 import jax
@@ -23,10 +24,10 @@ import numpy as np
 import pytest
 
 from jax_flash_mla.formats import KV_FORMATS
-from jax_flash_mla.reference import mla_decode_reference
+from jax_flash_mla.reference import CHUNK_BYTES, chunk_pages, mla_decode_reference
 from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode
 
-reference = jax.jit(mla_decode_reference, static_argnames=("softmax_scale", "causal", "kv_format"))
+reference = jax.jit(mla_decode_reference, static_argnames=("softmax_scale", "causal", "kv_format", "chunk_tokens"))
 
 SEQLENS = {1: [77], 3: [130, 0, 1]}
 SMALL_HEADS = [(1, 1), (9, 1), (16, 1), (16, 2)]
@@ -89,6 +90,52 @@ def test_data_sets(dist, kv_format):
         np.random.default_rng(7), b=3, s_q=2, h_q=16, h_kv=1, seqlens=[64, 5, 191], kv_format=kv_format, dist=dist
     )
     run_and_check(inputs, causal=True)
+
+
+GAINS = {"flat": None, "rising": lambda j, n: 2.0**j, "falling": lambda j, n: 2.0**-j}
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+@pytest.mark.parametrize("gain", GAINS)
+@pytest.mark.parametrize("chunk_tokens", [64, 128])
+@pytest.mark.parametrize("s_q,causal", [(4, True), (1, False)])
+def test_keys_in_chunks(s_q, causal, chunk_tokens, gain, kv_format):
+    """The online softmax over key chunks meets the same oracle bounds. A rising magnitude ramp raises the row max
+    in every chunk (each step rescales what came before), a falling one leaves it in the first; 191 tokens end
+    mid-chunk, and the table (4 pages) is padded to whole chunks of 128 tokens."""
+    inputs = make_decode_inputs(
+        np.random.default_rng([s_q, chunk_tokens]), b=3, s_q=s_q, h_q=16, h_kv=2, seqlens=[191, 0, 1],
+        kv_format=kv_format, page_gain=GAINS[gain],
+    )
+    assert inputs.block_table.shape[1] == 4
+    run_and_check(inputs, causal, fn=functools.partial(reference, chunk_tokens=chunk_tokens))
+
+
+def test_long_context_scratch_stays_bounded():
+    """128 sequences of 32K tokens (a 2.8 GB fp8_ds_mla cache): the compiled fallback's scratch stays within a few
+    chunks' worth, where gathering every key in float32 at once took 28 GB."""
+    b, pages = 128, 512
+    shapes = (jax.ShapeDtypeStruct((b, 2, 128, 576), jnp.bfloat16),
+              jax.ShapeDtypeStruct((b * pages, 64, 1, 656), jnp.uint8),
+              jax.ShapeDtypeStruct((b, pages), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    compiled = reference.lower(*shapes, softmax_scale=SOFTMAX_SCALE, causal=True, kv_format="fp8_ds_mla").compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * CHUNK_BYTES
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 96, -64, 64.0, True])
+def test_chunk_tokens_must_be_whole_pages(chunk_tokens):
+    inputs = make_decode_inputs(np.random.default_rng(0), b=1, s_q=1, h_q=4, h_kv=1, seqlens=[70], kv_format="bf16")
+    args, kwargs = inputs.kernel_args()
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive multiple of 64"):
+        mla_decode_reference(*args, softmax_scale=SOFTMAX_SCALE, causal=False, chunk_tokens=chunk_tokens, **kwargs)
+
+
+def test_chunk_pages_fit_the_budget():
+    # bf16 C1 of the benchmark (b 128, h_q 128, s_q 1): 4 * 128 * (576 + 256) bytes a token, 9 pages under 256 MiB.
+    assert chunk_pages(b=128, s_q=1, h_q=128, h_kv=1, max_blocks=128) == 9
+    assert chunk_pages(b=1, s_q=1, h_q=16, h_kv=1, max_blocks=3) == 3  # everything fits: one chunk
+    assert chunk_pages(b=4096, s_q=4, h_q=128, h_kv=1, max_blocks=64) == 1  # never less than a page
+    assert chunk_pages(b=1, s_q=1, h_q=1, h_kv=1, max_blocks=8, chunk_tokens=256) == 4
 
 
 def test_all_zero_lengths():
