@@ -116,7 +116,7 @@ def mla_decode_reference(
              jnp.zeros(stats_shape + (HEAD_DIM_V,), jnp.float32))
     if num_chunks == 1:
         carry, _ = attend_chunk(carry, 0)
-    else:
+    elif num_chunks > 1:  # (none for a table without columns: every row sees nothing)
         carry, _ = jax.lax.scan(attend_chunk, carry, jnp.arange(num_chunks))
     row_max, denom, acc = carry
     seen = denom > 0
