@@ -17,7 +17,8 @@ import numpy as np
 
 from . import _ffi, formats, sharding, validation
 from .formats import DS_MLA_BYTES_PER_TOKEN, HEAD_DIM_QK, HEAD_DIM_V, KV_FORMATS, PAGE_SIZE
-from .primitives import FORCE_REFERENCE_ENV, hopper_devices_only, resolve_implementation, schedule
+from .primitives import (FORCE_REFERENCE_ENV, KernelFallbackWarning, hopper_devices_only, resolve_implementation,
+                         schedule)
 from .quant import dequantize_kv_cache, quantize_kv_cache
 from .reference import mla_decode_reference
 from .sharding import write_kv_cache
@@ -25,7 +26,7 @@ from .sharding import write_kv_cache
 __all__ = [
     "MlaMetadata", "get_mla_metadata", "flash_mla_with_kvcache", "quantize_kv_cache", "dequantize_kv_cache",
     "write_kv_cache", "mla_decode_reference", "kernel_formats", "KV_FORMATS", "HEAD_DIM_QK", "HEAD_DIM_V",
-    "PAGE_SIZE", "DS_MLA_BYTES_PER_TOKEN", "FORCE_REFERENCE_ENV", "export_disabled_checks",
+    "PAGE_SIZE", "DS_MLA_BYTES_PER_TOKEN", "FORCE_REFERENCE_ENV", "export_disabled_checks", "KernelFallbackWarning",
 ]
 
 # SM count assumed off-GPU (an H200): the metadata then has the shape the kernel would use there.

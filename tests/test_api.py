@@ -1,12 +1,15 @@
 """Public API contract: argument errors, metadata, implementation switch, jit / vmap / grad behaviour."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash_mla as fm
-from jax_flash_mla.primitives import FORCE_REFERENCE_ENV
+from jax_flash_mla import _ffi
+from jax_flash_mla.primitives import FORCE_REFERENCE_ENV, base
 
 B, S_Q, H_Q, H_KV, BLOCKS, MAX_PAGES = 2, 1, 4, 1, 6, 3
 
@@ -180,3 +183,54 @@ def test_fp8_format_on_a_build_without_fp8_kernels_is_a_clear_error(monkeypatch,
         call(**inputs(kv_format))
     out, _ = call(**inputs(kv_format), implementation="reference")
     assert out.shape == (B, S_Q, H_Q, 512)
+
+
+def _lower_for_cuda(**kw):
+    """Lowers a jitted decode for CUDA devices on this host (only lowered, never run)."""
+    arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kw.items() if k not in arrays}
+    return jax.export.export(jax.jit(lambda a: call(**a, **static)), platforms=("cuda",),
+                             disabled_checks=fm.export_disabled_checks())(arrays)
+
+
+@pytest.mark.skipif(bool(fm.kernel_formats()), reason="a Hopper kernel is usable here")
+def test_cuda_lowering_without_a_kernel_warns():
+    """"auto" lowered for CUDA where no kernel is usable runs the reference: a warning says so and how to silence it
+    (a CPU-only build on a Hopper host must not pass for the fast path)."""
+    with pytest.warns(fm.KernelFallbackWarning, match=r"pure-jnp reference.*implementation='reference'"):
+        _lower_for_cuda(**inputs())
+
+
+def test_chosen_or_expected_reference_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fm.KernelFallbackWarning)
+        _lower_for_cuda(**inputs(), implementation="reference")
+        jax.jit(lambda q: call(**replace(q=q))[0])(inputs()["q"])  # lowered for this CPU: the reference is the path
+
+
+def test_usable_kernel_does_not_warn(monkeypatch):
+    if "bf16" not in _ffi.kernel_formats():
+        pytest.skip("this build has no bf16 kernel (no CUDA toolkit)")
+    monkeypatch.setattr(base, "hopper_devices_only", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fm.KernelFallbackWarning)
+        _lower_for_cuda(**inputs())
+
+
+class _FakeGpu:
+    def __init__(self, compute_capability):
+        self.compute_capability = compute_capability
+
+
+def test_fallback_reasons(monkeypatch):
+    if not _ffi.extension_available():
+        assert "extension is not loaded" in base._no_kernel_reason(True)
+        return
+    assert "kernels only for" in base._no_kernel_reason(False)
+    monkeypatch.setattr(base.jax, "devices", lambda *a: [_FakeGpu("9.0"), _FakeGpu("8.0")])
+    assert "compute capability 9.0 (Hopper) on every CUDA device, found ['8.0', '9.0']" in base._no_kernel_reason(True)
+
+    def no_cuda(*a):
+        raise RuntimeError("no cuda backend")
+    monkeypatch.setattr(base.jax, "devices", no_cuda)
+    assert "this host has no CUDA device" in base._no_kernel_reason(True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,32 @@ def hopper_devices_only() -> bool:
 
 def cuda_kernel_usable(target_available: bool) -> bool:
     return target_available and hopper_devices_only()
+
+
+class KernelFallbackWarning(UserWarning):
+    """A computation lowered for CUDA runs the pure-jnp reference under implementation="auto": no kernel is usable."""
+
+
+def _no_kernel_reason(target_available: bool) -> str:
+    if not _ffi.extension_available():
+        return f"the CUDA extension is not loaded: {_ffi.unavailable_reason()}"
+    if not target_available:
+        return f"this build has kernels only for {sorted(_ffi.kernel_formats())}"
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return "this host has no CUDA device (the computation is lowered here for CUDA devices elsewhere)"
+    found = sorted({str(getattr(d, "compute_capability", "?")) for d in devices})
+    return f"the kernels need compute capability 9.0 (Hopper) on every CUDA device, found {found}"
+
+
+def warn_kernel_fallback(target_available: bool) -> None:
+    """Warns (once per reason) that a CUDA lowering under "auto" takes the reference, much slower than the kernels:
+    a missing or CPU-only build on a Hopper host would otherwise pass for the fast path."""
+    warnings.warn(f"jax_flash_mla: lowering for CUDA without a usable kernel ({_no_kernel_reason(target_available)}), "
+                  "so the pure-jnp reference runs, far slower than the Hopper kernels; pass implementation="
+                  "'reference' (or set JAX_FLASH_MLA_FORCE_REFERENCE=1) to choose it and silence this warning",
+                  KernelFallbackWarning, stacklevel=2)
 
 
 def sharding_free(ctx):
@@ -98,6 +125,8 @@ def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_ava
             raise ValueError(f"{name}: implementation='kernel' but no kernel is usable here "
                              f"(extension built: {_ffi.extension_available()}, kernels built for "
                              f"{sorted(_ffi.kernel_formats())}, all CUDA devices sm_90: {hopper_devices_only()})")
+        if implementation == "auto" and not usable:
+            warn_kernel_fallback(kernel_available(**params))
         fn = kernel_fn if (implementation != "reference" and usable) else reference_fn
         return mlir.lower_fun(lambda *a: fn(*a, **params), multiple_results=True)(sharding_free(ctx), *args)
 
