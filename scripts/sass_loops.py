@@ -1,0 +1,137 @@
+"""Instruction mix of the loops of the decode kernels' SASS: a static count to compare builds without a GPU.
+
+    python scripts/sass_loops.py .carry_main/jax_flash_mla/_jax_flash_mla*.so [--kernels 2ELb0] [--min-size 64]
+    python scripts/sass_loops.py --sass listing.sass     # a saved `cuobjdump -sass` listing
+
+A loop is a predicated backward branch and the instructions it jumps over: spin-waits (`BRA.U.ANY`) and the
+unconditional jumps back from out-of-line blocks (an mbarrier wait's retry path at the function's end) are left out.
+Loops are listed by address, nested ones indented. The consumer's page loops are the large ones with tensor
+instructions: their counts are what a warp issues per page (per page pair for bf16 / fp8_per_tensor) when every
+branch inside runs, so a change that moves work out of the loop shows here before any timing. Conditional paths
+inside (the lazy O rescale) are counted too.
+cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (this repository's builder uses the nvidia-cuda-cuobjdump wheel
+where the toolkit lacks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+# Kernel keys (format enum, few-rows flag) as in the mangled names; the five splitkv kernels of a full build.
+KERNELS = {"0ELb0": "bf16", "1ELb0": "fp8_per_tensor", "1ELb1": "fp8_per_tensor few-rows",
+           "2ELb0": "fp8_ds_mla", "2ELb1": "fp8_ds_mla few-rows"}
+MANGLED = "_ZN13jax_flash_mla4sm9018splitkv_mla_kernelILNS_6config8KvFormatE{}EEEvNS0_11SplitKvArgsE"
+
+# Opcode classes, first match wins.
+CLASSES = (
+    ("tensor", re.compile(r"^(HGMMA|QGMMA|IGMMA|HMMA)$")),
+    ("sync", re.compile(r"^(BAR|SYNCS|WARPGROUP|MEMBAR|FENCE|DEPBAR|ERRBAR|WARPSYNC|ELECT)$")),
+    ("smem", re.compile(r"^(LDS|STS|LDSM|STSM|ATOMS|REDS)$")),
+    ("global", re.compile(r"^(LDG|STG|LD|ST|RED|ATOMG|UTMALDG|UTMASTG|UBLKCP|LDGSTS|LDGDEPBAR)$")),
+    ("fp32", re.compile(r"^(FMUL|FFMA|FADD|FMNMX|FSEL|FSETP|FCHK|MUFU|FRND|FSWZADD)$")),
+    ("convert", re.compile(r"^(F2FP|F2F|F2I|I2F|I2FP|F2IP)$")),
+    ("shuffle", re.compile(r"^(SHFL|REDUX|VOTE|VOTEU|MATCH)$")),
+    ("uniform", re.compile(r"^(U[A-Z0-9]+|R2UR|S2UR|S2R|CS2R|LDC|ULDC)$")),
+    ("branch", re.compile(r"^(BRA|BSSY|BSYNC|CALL|RET|EXIT|NOP|BMOV|YIELD)$")),
+    ("integer", re.compile(r"^(IMAD|IADD3|VIADD|LOP3|SHF|LEA|ISETP|SEL|PRMT|MOV|IABS|VIMNMX|VIADDMNMX|PLOP3|P2R|R2P"
+                           r"|IMNMX|POPC|FLO|BREV|BMSK|SGXT|IDP|IMUL|ISCADD)$")),
+)
+_LINE = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
+_TARGET = re.compile(r"(0x[0-9a-f]+)")
+
+
+def opcode_class(opcode: str) -> str:
+    for name, pattern in CLASSES:
+        if pattern.match(opcode):
+            return name
+    return "other"
+
+
+def parse(listing: str) -> list:
+    """(address, predicate, opcode, modifiers, operands) of every instruction of one function's listing."""
+    return [(int(m.group(1), 16), (m.group(2) or "").strip(), m.group(3), m.group(4), m.group(5))
+            for m in _LINE.finditer(listing)]
+
+
+def loops(instructions, min_size: int = 1) -> list:
+    """(start, end) addresses of every predicated backward branch's span of at least min_size instructions
+    (spin-waits excluded), in address order; the span includes the branch."""
+    found = set()
+    for address, predicate, opcode, modifiers, operands in instructions:
+        if opcode != "BRA" or not predicate or ".U" in modifiers:
+            continue
+        target = _TARGET.search(operands)
+        if target:
+            start = int(target.group(1), 16)
+            if start < address and (address - start) // 16 + 1 >= min_size:
+                found.add((start, address))
+    return sorted(found)
+
+
+def mix(instructions, start: int, end: int) -> collections.Counter:
+    return collections.Counter(opcode_class(op) for address, _, op, _, _ in instructions if start <= address <= end)
+
+
+def depth(span, spans) -> int:
+    """How many other spans of the list enclose this one."""
+    return sum(1 for o in spans if o != span and o[0] <= span[0] and span[1] <= o[1])
+
+
+def report(name: str, instructions, min_size: int) -> list:
+    """Lines of the table for one kernel: its loops of at least min_size instructions, nested ones indented."""
+    columns = [c for c, _ in CLASSES] + ["other"]
+    spans = loops(instructions, min_size)
+    rows = []
+    for span in spans:
+        counts = mix(instructions, *span)
+        where = "  " * depth(span, spans) + f"{span[0]:#07x}-{span[1]:#07x}"
+        rows.append(f"{name:<26} {where:<21} {sum(counts.values()):>6} " + " ".join(f"{counts[c]:>7}" for c in columns))
+    return rows
+
+
+def header() -> str:
+    columns = [c for c, _ in CLASSES] + ["other"]
+    return f"{'kernel':<26} {'loop':<21} {'instr':>6} " + " ".join(f"{c:>7}" for c in columns)
+
+
+def dump(cuobjdump: str, module: str, key: str) -> str:
+    return subprocess.run([cuobjdump, "-sass", "-fun", MANGLED.format(key), module], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("module", nargs="?", help="the extension module (.so) of a CUDA build")
+    parser.add_argument("--sass", help="a saved cuobjdump -sass listing of one kernel, instead of a module")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"keys among {','.join(KERNELS)}")
+    parser.add_argument("--min-size", type=int, default=64, help="smallest loop reported, in instructions")
+    parser.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump"))
+    args = parser.parse_args(argv)
+    if (args.module is None) == (args.sass is None):
+        parser.error("give a module or --sass, not both")
+    print(header())
+    if args.sass:
+        with open(args.sass) as f:
+            print("\n".join(report(os.path.basename(args.sass), parse(f.read()), args.min_size)))
+        return 0
+    if not args.cuobjdump:
+        parser.error("no cuobjdump: pass --cuobjdump or set $CUOBJDUMP")
+    for key in args.kernels.split(","):
+        if key not in KERNELS:
+            parser.error(f"--kernels: {key!r} is not one of {','.join(KERNELS)}")
+        instructions = parse(dump(args.cuobjdump, args.module, key))
+        if not instructions:
+            print(f"{KERNELS[key]:<26} (not in this module)")
+            continue
+        print("\n".join(report(KERNELS[key], instructions, args.min_size)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

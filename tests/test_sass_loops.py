@@ -1,0 +1,55 @@
+"""scripts/sass_loops.py (static instruction mix of the kernels' loops) on a hand-written SASS listing: which
+backward branches count as loops, how nesting shows, and how opcodes are classed."""
+
+import importlib.util
+import pathlib
+
+_spec = importlib.util.spec_from_file_location(
+    "sass_loops", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sass_loops.py")
+sass_loops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_loops)
+
+# An outer loop 0x0010-0x00a0 around an inner one 0x0030-0x0070; a spin-wait at 0x0080; an out-of-line retry block
+# at the end that jumps back unconditionally (not a loop).
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                  /* 0x00000a0000017a02 */
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;  /* 0x0000000000000000 */
+        /*0020*/                   FFMA R2, R3, R4, R2 ;                   /* 0x0000000000000000 */
+        /*0030*/                   LDSM.16.MT88.4 R12, [R8] ;              /* 0x0000000000000000 */
+        /*0040*/                   PRMT R20, R12, R18, R13 ;               /* 0x0000000000000000 */
+        /*0050*/                   STSM.16.M88.4 [R188], R20 ;             /* 0x0000000000000000 */
+        /*0060*/                   UIADD3 UR4, UR4, 0x1, URZ ;             /* 0x0000000000000000 */
+        /*0070*/               @P0 BRA 0x30 ;                              /* 0x0000000000000000 */
+        /*0080*/               @P1 BRA.U.ANY 0x80 ;                        /* 0x0000000000000000 */
+        /*0090*/                   F2FP.E4M3.F32.PACK_AB R5, R6, R7 ;      /* 0x0000000000000000 */
+        /*00a0*/              @!P2 BRA 0x10 ;                              /* 0x0000000000000000 */
+        /*00b0*/                   EXIT ;                                  /* 0x0000000000000000 */
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR17+0x10], R152 ; /* 0x0000000000000000 */
+        /*00d0*/              @!P0 BRA 0xc0 ;                              /* 0x0000000000000000 */
+        /*00e0*/                   BRA 0x20 ;                              /* 0x0000000000000000 */
+"""
+
+
+def test_loops_are_predicated_backward_branches():
+    instructions = sass_loops.parse(LISTING)
+    assert len(instructions) == 15
+    assert sass_loops.loops(instructions) == [(0x10, 0xA0), (0x30, 0x70), (0xC0, 0xD0)]
+    assert sass_loops.loops(instructions, min_size=5) == [(0x10, 0xA0), (0x30, 0x70)]
+
+
+def test_mix_classes_the_opcodes():
+    counts = sass_loops.mix(sass_loops.parse(LISTING), 0x10, 0xA0)
+    assert counts == {"tensor": 1, "fp32": 1, "smem": 2, "integer": 1, "uniform": 1, "branch": 3, "convert": 1}
+    assert sass_loops.opcode_class("QGMMA") == "tensor" and sass_loops.opcode_class("R2UR") == "uniform"
+    assert sass_loops.opcode_class("XYZZY") == "other"
+
+
+def test_report_indents_nested_loops(tmp_path, capsys):
+    path = tmp_path / "k.sass"
+    path.write_text(LISTING)
+    assert sass_loops.main(["--sass", str(path), "--min-size", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["kernel", "loop", "instr"]
+    assert lines[1].split()[1:3] == ["0x00010-0x000a0", "10"]
+    assert "  0x00030-0x00070" in lines[2] and lines[2].split()[1:3] == ["0x00030-0x00070", "5"]
+    assert len(lines) == 3
