@@ -11,6 +11,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flash_mla.formats import HEAD_DIM_QK, HEAD_DIM_V, PAGE_SIZE
 from jax_flash_mla.quant import dequantize_kv_cache
@@ -23,10 +24,10 @@ CHUNK_BYTES = 256 << 20
 def chunk_pages(b: int, s_q: int, h_q: int, h_kv: int, max_blocks: int, chunk_tokens: Optional[int] = None) -> int:
     """Pages per chunk of the online softmax: ``chunk_tokens / 64``, or what fits CHUNK_BYTES (at least one page)."""
     if chunk_tokens is not None:
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0 \
-                or chunk_tokens % PAGE_SIZE:
+        if isinstance(chunk_tokens, (bool, np.bool_)) or not isinstance(chunk_tokens, (int, np.integer)) \
+                or chunk_tokens <= 0 or chunk_tokens % PAGE_SIZE:
             raise ValueError(f"chunk_tokens must be a positive multiple of {PAGE_SIZE}, got {chunk_tokens!r}")
-        pages = chunk_tokens // PAGE_SIZE
+        pages = int(chunk_tokens) // PAGE_SIZE
     else:
         token_bytes = 4 * b * (h_kv * HEAD_DIM_QK + 2 * h_q * s_q)
         pages = max(1, CHUNK_BYTES // (PAGE_SIZE * token_bytes))

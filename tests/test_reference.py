@@ -122,7 +122,7 @@ def test_long_context_scratch_stays_bounded():
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * CHUNK_BYTES
 
 
-@pytest.mark.parametrize("chunk_tokens", [0, 96, -64, 64.0, True])
+@pytest.mark.parametrize("chunk_tokens", [0, 96, -64, 64.0, True, np.bool_(True)])
 def test_chunk_tokens_must_be_whole_pages(chunk_tokens):
     inputs = make_decode_inputs(np.random.default_rng(0), b=1, s_q=1, h_q=4, h_kv=1, seqlens=[70], kv_format="bf16")
     args, kwargs = inputs.kernel_args()
@@ -136,6 +136,7 @@ def test_chunk_pages_fit_the_budget():
     assert chunk_pages(b=1, s_q=1, h_q=16, h_kv=1, max_blocks=3) == 3  # everything fits: one chunk
     assert chunk_pages(b=4096, s_q=4, h_q=128, h_kv=1, max_blocks=64) == 1  # never less than a page
     assert chunk_pages(b=1, s_q=1, h_q=1, h_kv=1, max_blocks=8, chunk_tokens=256) == 4
+    assert chunk_pages(b=1, s_q=1, h_q=1, h_kv=1, max_blocks=8, chunk_tokens=np.int64(128)) == 2
 
 
 def test_all_zero_lengths():
