@@ -201,6 +201,12 @@ def test_cuda_lowering_without_a_kernel_warns():
         _lower_for_cuda(**inputs())
 
 
+@pytest.mark.skipif(bool(fm.kernel_formats()), reason="a Hopper kernel is usable here")
+def test_kernel_request_lowered_for_cuda_says_why_not():
+    with pytest.raises(ValueError, match=r"implementation='kernel' but no kernel is usable here: \w"):
+        _lower_for_cuda(**inputs(), implementation="kernel")
+
+
 def test_chosen_or_expected_reference_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", fm.KernelFallbackWarning)

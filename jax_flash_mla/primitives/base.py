@@ -122,9 +122,8 @@ def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_ava
         implementation = params["implementation"]
         usable = cuda_kernel_usable(kernel_available(**params))
         if implementation == "kernel" and not usable:
-            raise ValueError(f"{name}: implementation='kernel' but no kernel is usable here "
-                             f"(extension built: {_ffi.extension_available()}, kernels built for "
-                             f"{sorted(_ffi.kernel_formats())}, all CUDA devices sm_90: {hopper_devices_only()})")
+            raise ValueError(f"{name}: implementation='kernel' but no kernel is usable here: "
+                             f"{_no_kernel_reason(kernel_available(**params))}")
         if implementation == "auto" and not usable:
             warn_kernel_fallback(kernel_available(**params))
         fn = kernel_fn if (implementation != "reference" and usable) else reference_fn
