@@ -159,6 +159,36 @@ def page_waits(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
     return out
 
 
+def issue_gaps(stamps: np.ndarray, clocks: np.ndarray, kv_format: str):
+    """Pairs only: ns between the producer's issues of a page's two parts, per traced period: [(label, median, p10,
+    p90)] for the next page A' (left part first) and B' (parts in the producer's order for a page B). When both parts
+    had gone back before the first issue, the gap is the first part's own issue time (the TMA unit works through one
+    box before it takes the next instruction)."""
+    if kv_format == "fp8_ds_mla":
+        return []
+    per_ns = 1.0 / ghz(clocks)
+    left, right = PRODUCER_EVENTS.index("left issued"), PRODUCER_EVENTS.index("right issued")
+    out = []
+    for label, offset in (("page A'", 2), ("page B'", 3)):
+        values = []
+        for cta, a, _ in periods(stamps, kv_format):
+            if a + offset < stamps.shape[2]:
+                t_left, t_right = stamps[cta, 2, a + offset, left], stamps[cta, 2, a + offset, right]
+                if t_left > 0 and t_right > 0:
+                    values.append(abs(int(t_right) - int(t_left)) * per_ns)
+        if values:
+            out.append((label, float(np.median(values)), float(np.percentile(values, 10)),
+                        float(np.percentile(values, 90))))
+    return out
+
+
+def print_issue_gaps(gaps):
+    if gaps:
+        print("producer: ns between a page's two part issues (median / p10 / p90):")
+        for label, med, lo, hi in gaps:
+            print(f"  {label:28s} {med:6.0f} / {lo:6.0f} / {hi:6.0f}")
+
+
 def print_page_waits(waits, period_ns):
     if waits:
         print("page waits (ns a period, median / p90; share of the period's median):")
@@ -294,6 +324,7 @@ def main(argv=None) -> int:
     print_report(table, args.format, pages_per_period)
     period = period_ns(table)
     print_page_waits(page_waits(stamps, clocks, args.format), period)
+    print_issue_gaps(issue_gaps(stamps, clocks, args.format))
     print_chunks(*chunk_boundaries(stamps, clocks))
     print_epilogue(epilogue_phases(stamps, clocks))
     return 0

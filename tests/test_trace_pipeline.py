@@ -122,3 +122,16 @@ def test_page_waits_measure_how_long_each_next_s_waited_for_its_page():
     assert waits["WG0 next S_A, first part"] == pytest.approx((200 / GHZ, 200 / GHZ))
     assert waits["WG0 next S_A, both parts"] == pytest.approx((400 / GHZ, 400 / GHZ))
     assert waits["WG1 next S_B, both parts"] == (0.0, 0.0)  # landed before the wait: no wait, not a negative one
+
+
+def test_issue_gaps_time_the_producers_second_part():
+    stamps, clocks = trace.unpack(synthetic_pairs(skip_cta=2), SHAPE)
+    for cta in (0, 1):
+        for ia in range(0, 40, 2):
+            t0 = int(stamps[cta, 0, ia, 0])
+            stamps[cta, 2, ia, 0], stamps[cta, 2, ia, 1] = t0 + 100, t0 + 560  # page A: left, then right 460 later
+            stamps[cta, 2, ia + 1, 1], stamps[cta, 2, ia + 1, 0] = t0 + 900, t0 + 1700  # page B: right first
+    gaps = {label: (med, lo, hi) for label, med, lo, hi in trace.issue_gaps(stamps, clocks, "bf16")}
+    assert gaps["page A'"] == pytest.approx((460 / GHZ,) * 3)
+    assert gaps["page B'"] == pytest.approx((800 / GHZ,) * 3)
+    assert trace.issue_gaps(stamps, clocks, "fp8_ds_mla") == []
