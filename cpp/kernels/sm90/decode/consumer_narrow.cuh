@@ -182,14 +182,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
         // The left part's k-steps while the right part may still land.
         constexpr int kLeftSteps = kSteps * decode_cfg::kLeftSlabs / decode_cfg::kSlabs;
         warpgroup_fence_operand(tSrS);
-        CUTE_UNROLL
-        for (int piece = 0; piece < Tr::kPiecesPerPart; ++piece) mbarrier_wait(&plan.k_full[wg][stage][piece], phase);
+        mbarrier_wait(&plan.k_full[wg][stage][0], phase);
         warpgroup_arrive();
         wgmma_k_steps<kLeftSteps>(mma_s, tSrK, tSrQ, tSrS, false);
-        CUTE_UNROLL
-        for (int piece = 0; piece < Tr::kPiecesPerPart; ++piece) {
-          mbarrier_wait(&plan.k_full[wg][stage][Tr::kPiecesPerPart + piece], phase);
-        }
+        mbarrier_wait(&plan.k_full[wg][stage][1], phase);
         warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
         wgmma_k_steps<kSteps - kLeftSteps>(mma_s, tSrK, tSrQ, tSrS, true, kLeftSteps);
         warpgroup_commit_batch();
