@@ -9,8 +9,8 @@ Loops are listed by address, nested ones indented. The consumer's page loops are
 instructions: their counts are what a warp issues per page (per page pair for bf16 / fp8_per_tensor) when every
 branch inside runs, so a change that moves work out of the loop shows here before any timing. Conditional paths
 inside (the lazy O rescale) are counted too.
-cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (this repository's builder uses the nvidia-cuda-cuobjdump wheel
-where the toolkit lacks it).
+cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (where the CUDA toolkit lacks it, the nvidia-cuda-cuobjdump
+wheel has one).
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ CLASSES = (
     ("fp32", re.compile(r"^(FMUL|FFMA|FADD|FMNMX|FSEL|FSETP|FCHK|MUFU|FRND|FSWZADD)$")),
     ("convert", re.compile(r"^(F2FP|F2F|F2I|I2F|I2FP|F2IP)$")),
     ("shuffle", re.compile(r"^(SHFL|REDUX|VOTE|VOTEU|MATCH)$")),
-    ("uniform", re.compile(r"^(U[A-Z0-9]+|R2UR|S2UR|S2R|CS2R|LDC|ULDC)$")),
+    ("uniform", re.compile(r"^(U[A-Z0-9]+|R2UR|S2UR|S2R|CS2R|LDC)$")),
     ("branch", re.compile(r"^(BRA|BSSY|BSYNC|CALL|RET|EXIT|NOP|BMOV|YIELD)$")),
     ("integer", re.compile(r"^(IMAD|IADD3|VIADD|LOP3|SHF|LEA|ISETP|SEL|PRMT|MOV|IABS|VIMNMX|VIADDMNMX|PLOP3|P2R|R2P"
                            r"|IMNMX|POPC|FLO|BREV|BMSK|SGXT|IDP|IMUL|ISCADD)$")),
 )
+COLUMNS = [name for name, _ in CLASSES] + ["other"]
 _LINE = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
 _TARGET = re.compile(r"(0x[0-9a-f]+)")
 
@@ -85,19 +86,17 @@ def depth(span, spans) -> int:
 
 def report(name: str, instructions, min_size: int) -> list:
     """Lines of the table for one kernel: its loops of at least min_size instructions, nested ones indented."""
-    columns = [c for c, _ in CLASSES] + ["other"]
     spans = loops(instructions, min_size)
     rows = []
     for span in spans:
         counts = mix(instructions, *span)
         where = "  " * depth(span, spans) + f"{span[0]:#07x}-{span[1]:#07x}"
-        rows.append(f"{name:<26} {where:<21} {sum(counts.values()):>6} " + " ".join(f"{counts[c]:>7}" for c in columns))
+        rows.append(f"{name:<26} {where:<21} {sum(counts.values()):>6} " + " ".join(f"{counts[c]:>7}" for c in COLUMNS))
     return rows
 
 
 def header() -> str:
-    columns = [c for c, _ in CLASSES] + ["other"]
-    return f"{'kernel':<26} {'loop':<21} {'instr':>6} " + " ".join(f"{c:>7}" for c in columns)
+    return f"{'kernel':<26} {'loop':<21} {'instr':>6} " + " ".join(f"{c:>7}" for c in COLUMNS)
 
 
 def dump(cuobjdump: str, module: str, key: str) -> str:
@@ -114,7 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump"))
     args = parser.parse_args(argv)
     if (args.module is None) == (args.sass is None):
-        parser.error("give a module or --sass, not both")
+        parser.error("give exactly one of a module and --sass")
     print(header())
     if args.sass:
         with open(args.sass) as f:

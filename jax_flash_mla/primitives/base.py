@@ -33,14 +33,20 @@ def resolve_implementation(implementation: str) -> str:
     return implementation
 
 
-@functools.cache
-def hopper_devices_only() -> bool:
-    """True when CUDA devices exist and all of them are compute capability 9.0 (the kernels are built for sm_90a)."""
+def _cuda_capabilities():
+    """The compute capabilities of this host's CUDA devices (None without a CUDA backend)."""
     try:
         devices = jax.devices("cuda")
     except RuntimeError:
-        return False
-    return bool(devices) and all(getattr(d, "compute_capability", None) == "9.0" for d in devices)
+        return None
+    return [getattr(d, "compute_capability", None) for d in devices]
+
+
+@functools.cache
+def hopper_devices_only() -> bool:
+    """True when CUDA devices exist and all of them are compute capability 9.0 (the kernels are built for sm_90a)."""
+    capabilities = _cuda_capabilities()
+    return bool(capabilities) and all(c == "9.0" for c in capabilities)
 
 
 def cuda_kernel_usable(target_available: bool) -> bool:
@@ -56,11 +62,10 @@ def _no_kernel_reason(target_available: bool) -> str:
         return f"the CUDA extension is not loaded: {_ffi.unavailable_reason()}"
     if not target_available:
         return f"this build has kernels only for {sorted(_ffi.kernel_formats())}"
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
+    capabilities = _cuda_capabilities()
+    if capabilities is None:
         return "this host has no CUDA device (the computation is lowered here for CUDA devices elsewhere)"
-    found = sorted({str(getattr(d, "compute_capability", "?")) for d in devices})
+    found = sorted(set(map(str, capabilities)))
     return f"the kernels need compute capability 9.0 (Hopper) on every CUDA device, found {found}"
 
 
