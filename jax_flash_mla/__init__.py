@@ -107,9 +107,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       block_table: int32 [batch, max_blocks_per_seq]; entries past a sequence's last page are never read.
       cache_seqlens: int32 [batch].
       head_dim_v: must be 512.
-      tile_scheduler_metadata: an MlaMetadata from get_mla_metadata (or FlashMLA-style: the metadata array, with
-        `num_splits` passed separately). Computed here when omitted. Under jit with sharded inputs the metadata
-        is computed per shard and a passed one is ignored (jax_flash_mla.sharding).
+      tile_scheduler_metadata: an MlaMetadata from get_mla_metadata for these cache_seqlens (or FlashMLA-style:
+        the metadata array, with `num_splits` passed separately). Computed here when omitted. Outside jit, metadata
+        with which the kernel would leave keys unread (an earlier decode step's) raises; under jit it cannot be
+        checked. Under jit with sharded inputs the metadata is computed per shard and a passed one is ignored
+        (jax_flash_mla.sharding).
       softmax_scale: defaults to 576 ** -0.5 (for every format).
       causal: with seqlen_q > 1, query i of a sequence of length L sees keys 0 .. L - seqlen_q + i.
       kv_format: "bf16", "fp8_per_tensor" or "fp8_ds_mla".
@@ -153,6 +155,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             raise ValueError("tile_scheduler_metadata must be an MlaMetadata from get_mla_metadata "
                              "(or pass its num_splits too)")
         validation.check_sched_meta(tile_scheduler_metadata, num_splits, b)
+        if not any(map(_is_tracer, (tile_scheduler_metadata, num_splits, cache_seqlens))):
+            validation.check_sched_meta_values(tile_scheduler_metadata, num_splits, cache_seqlens)
         meta = (tile_scheduler_metadata, num_splits)
 
     if kv_format == "fp8_ds_mla" and k_cache.dtype != jnp.uint8:

@@ -1,7 +1,7 @@
 """Argument checks shared by the public API and the primitives' abstract evaluation.
 
-Everything here looks at shapes and dtypes only, so it runs on concrete arrays and on tracers alike. Each error
-names the argument and says what was expected.
+The shape and dtype checks run on concrete arrays and on tracers alike; the `check_*_values` ones read values, so
+the API calls them only outside jit. Each error names the argument and says what was expected.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import formats
-from .scheduler import SCHED_META_INTS
+from .scheduler import BEGIN_BATCH, BEGIN_SPLIT, BEGIN_TOKEN, END_BATCH, END_TOKEN, SCHED_META_INTS
 
 _INT32 = jnp.dtype(jnp.int32)
 _FLOAT32 = jnp.dtype(jnp.float32)
@@ -122,3 +122,54 @@ def check_concrete_values(block_table, cache_seqlens, num_blocks: int) -> None:
         i, j = np.argwhere(bad)[0]
         raise ValueError(f"block_table[{i}, {j}] = {table[i, j]} is used by cache_seqlens[{i}] = {seqlens[i]} "
                          f"but is not a block index in [0, {num_blocks})")
+
+
+def check_sched_meta_values(sched_meta, num_splits, cache_seqlens) -> None:
+    """Outside jit: with this metadata the kernel reads every key of these lengths once, and the combine finds
+    every split.
+
+    The kernel reads a partition's chunks as the metadata gives them, clamped to the current lengths (cpp:
+    `make_chunk`). So metadata computed for longer sequences still works (slower: unbalanced), but an earlier
+    decode step's, computed when the sequences were shorter, leaves their newest keys unread. Under jit nothing is
+    checked and that goes unnoticed: compute the metadata once per decode step.
+    """
+    meta = np.asarray(sched_meta).astype(np.int64)
+    splits = np.asarray(num_splits).astype(np.int64)
+    lens = np.asarray(cache_seqlens).astype(np.int64)
+    b = lens.shape[0]
+    hint = "compute it with get_mla_metadata from the same decode step's cache_seqlens (or pass none)"
+    if splits[0] != 0 or (np.diff(splits) < 1).any():
+        raise ValueError(f"num_splits must start at 0 and rise by at least 1 per sequence (cumulative split "
+                         f"counts), got {splits.tolist() if b <= 16 else splits}; {hint}")
+    rows = meta[meta[:, BEGIN_BATCH] <= meta[:, END_BATCH]]  # begin_batch > end_batch: an empty partition
+    bb, bt, eb, et, bs = (rows[:, k] for k in (BEGIN_BATCH, BEGIN_TOKEN, END_BATCH, END_TOKEN, BEGIN_SPLIT))
+    if ((bb < 0) | (eb >= b)).any():
+        raise ValueError(f"tile_scheduler_metadata names sequences outside [0, {b}) (batch {b}); {hint}")
+    # Every chunk as the kernel reads it: (sequence, start, stop, split index). A partition's first sequence
+    # starts at begin_token and its last stops at end_token, the others are whole; then stop is clamped to the
+    # length and start to stop.
+    one = bb == eb
+    inner = np.maximum(eb - bb - 1, 0)
+    whole = np.repeat(bb + 1, inner) + np.arange(inner.sum()) - np.repeat(np.cumsum(inner) - inner, inner)
+    tails = (~one).sum() + whole.size
+    seq = np.concatenate([bb, eb[~one], whole])
+    given_start = np.concatenate([bt, np.zeros(tails, np.int64)])
+    stop = np.minimum(np.concatenate([np.where(one, et, lens[bb]), et[~one], lens[whole]]), lens[seq])
+    start = np.minimum(given_start, stop)
+    index = np.concatenate([bs, np.zeros(tails, np.int64)])
+    order = np.lexsort((given_start, seq))
+    seq, start, stop, index = seq[order], start[order], stop[order], index[order]
+    count = np.bincount(seq, minlength=b)
+    rank = np.arange(seq.size) - np.searchsorted(seq, seq)  # position among the sequence's chunks
+    follows = start == np.where(rank == 0, 0, np.concatenate([[0], stop[:-1]]))  # from 0, then back to back
+    end = np.zeros(b, np.int64)
+    np.maximum.at(end, seq, stop)
+    bad = (count != np.diff(splits)) | (end != lens)
+    bad[seq[~follows | (index != rank)]] = True
+    if bad.any():
+        i = int(np.argmax(bad))
+        chunks = [(int(a), int(z)) for a, z in zip(start[seq == i], stop[seq == i])]
+        raise ValueError(
+            f"tile_scheduler_metadata does not fit cache_seqlens[{i}] = {lens[i]}: the kernel would read that "
+            f"sequence's keys as {chunks or 'nothing'} ([start, stop) by split) with "
+            f"{int(splits[i + 1] - splits[i])} split(s) in num_splits, so it was computed for other lengths; {hint}")

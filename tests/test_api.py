@@ -96,6 +96,21 @@ def test_metadata_errors():
         call(**kw, num_splits=meta.num_splits)
 
 
+def test_metadata_of_other_lengths_outside_jit():
+    """The kernel reads the chunks that passed metadata gives, clamped to the current lengths. Metadata of an
+    earlier step (shorter sequences) would leave the newest keys unread: outside jit that is an error naming the
+    sequence. Metadata of longer sequences reads the same keys."""
+    kw = inputs()
+    rows = S_Q * H_Q // H_KV
+    earlier = fm.get_mla_metadata(kw["cache_seqlens"] - 1, rows, H_KV)
+    with pytest.raises(ValueError, match=r"tile_scheduler_metadata does not fit cache_seqlens\[0\] = 130"):
+        call(**kw, tile_scheduler_metadata=earlier)
+    want = call(**kw, tile_scheduler_metadata=fm.get_mla_metadata(kw["cache_seqlens"], rows, H_KV))
+    got = call(**kw, tile_scheduler_metadata=fm.get_mla_metadata(kw["cache_seqlens"] + 60, rows, H_KV))
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_metadata_shape_and_flashmla_style_arguments():
     kw = inputs()
     meta = fm.get_mla_metadata(kw["cache_seqlens"], S_Q * H_Q // H_KV, H_KV, num_sms=132)

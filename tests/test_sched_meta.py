@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jax_flash_mla import _ffi
+from jax_flash_mla.validation import check_sched_meta_values
 from jax_flash_mla.scheduler import (FIXED_OVERHEAD_PAGES, PAGE_SIZE, SCHED_META_INTS, num_sm_parts,
                                      sched_meta_reference)
 
@@ -198,6 +199,28 @@ def check_invariants(lens, parts, meta, num_splits):
         assert split_ok or len(got) == 1, f"sequence {i} is split in whole-sequence mode: {got}"
 
 
+def kernel_reads_every_key_once(meta, num_splits, lens) -> bool:
+    """Whether the decode kernel, given this metadata, reads each key of `lens` exactly once and writes each of the
+    num_splits partials once: a transcription of make_chunk / for_each_chunk (cpp/kernels/sm90/decode/
+    splitkv_mla.cuh), token by token."""
+    partials = [[] for _ in lens]
+    for bb, bt, eb, et, bs in np.asarray(meta)[:, :5].tolist():
+        for i in range(bb, eb + 1):
+            seqlen = int(lens[i])
+            end = min(et if i == eb else seqlen, seqlen)
+            begin = min(bt if i == bb else 0, end)
+            partials[i].append((bs if i == bb else 0, begin, end))
+    for i, chunks in enumerate(partials):
+        if sorted(split for split, _, _ in chunks) != list(range(num_splits[i + 1] - num_splits[i])):
+            return False
+        reads = np.zeros(int(lens[i]), np.int64)
+        for _, begin, end in chunks:
+            reads[begin:end] += 1
+        if (reads != 1).any():
+            return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs
 
@@ -341,6 +364,52 @@ def test_whole_sequence_budget_is_the_smallest(b, parts):
         assert lower <= budget <= lower + 2 * F
         assert fits_whole(costs, parts, budget)
         assert budget == lower or not fits_whole(costs, parts, budget - 1), (budget, lens)
+
+
+def test_value_check_accepts_exactly_what_the_kernel_reads_right():
+    """check_sched_meta_values (the API's check of passed metadata, outside jit) against the kernel's reading:
+    a schedule passes for its own lengths, and for other lengths (a later step's, an earlier one's, another
+    batch's) exactly when the kernel would still read every key once."""
+    rng = np.random.default_rng(2024)
+    outcomes = {True: 0, False: 0}
+    for trial in range(300):
+        b = int(rng.choice([1, 2, 3, 5, 33, 100]))
+        parts = int(rng.integers(1, 40))
+        lens = rng.integers(0, 3000, b).astype(np.int32)
+        lens[rng.random(b) < 0.1] = 0
+        meta, splits = spec_walk(lens, parts)
+        check_sched_meta_values(meta, splits, lens)
+        kind = ("later", "earlier", "other")[trial % 3]
+        if kind == "later":  # a few decode steps on: some sequences grew
+            other = lens + rng.integers(0, 3, b) * (rng.random(b) < 0.3)
+        elif kind == "earlier":
+            other = np.maximum(lens - rng.integers(0, 200, b), 0)
+        else:
+            other = rng.permutation(lens)
+        other = other.astype(np.int32)
+        fits = kernel_reads_every_key_once(meta, splits, other)
+        outcomes[fits] += 1
+        if fits:
+            check_sched_meta_values(meta, splits, other)
+        else:
+            with pytest.raises(ValueError, match=r"tile_scheduler_metadata does not fit cache_seqlens\[\d+\]"):
+                check_sched_meta_values(meta, splits, other)
+    assert min(outcomes.values()) > 50, outcomes
+
+
+def test_value_check_rejects_inconsistent_num_splits():
+    lens = np.array([700, 300], np.int32)
+    meta, splits = spec_walk(lens, 8)
+    assert list(splits) == [0, 3, 5]  # both sequences split
+    for bad, match in (([1, 3, 5], "num_splits must start at 0"), ([0, 3, 3], "rise by at least 1"),
+                       ([0, 2, 5], r"does not fit cache_seqlens\[0\] = 700"),
+                       ([0, 3, 6], r"does not fit cache_seqlens\[1\] = 300")):
+        with pytest.raises(ValueError, match=match):
+            check_sched_meta_values(meta, np.array(bad, np.int32), lens)
+    outside = np.array(meta)
+    outside[0, 2] = 2  # end_batch past the batch
+    with pytest.raises(ValueError, match=r"names sequences outside \[0, 2\)"):
+        check_sched_meta_values(outside, splits, lens)
 
 
 def test_batch_zero():
