@@ -81,11 +81,12 @@ def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: i
       num_sms: streaming multiprocessors to balance over (default: the GPU's, or 132 off-GPU).
       implementation: "auto", "kernel" (CUDA scheduler kernel, error if unusable) or "reference" (jnp).
     """
-    for name, value in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
+    for name, value in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k),
+                        ("num_sms", 1 if num_sms is None else num_sms)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive Python int, got {value!r}")
     meta, splits = schedule(jnp.asarray(cache_seqlens), int(num_q_tokens_per_head_k), int(num_heads_k),
-                            num_sms=num_sms or _default_num_sms(),
+                            num_sms=_default_num_sms() if num_sms is None else int(num_sms),
                             implementation=resolve_implementation(implementation))
     return MlaMetadata(meta, splits)
 
@@ -135,6 +136,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         raise TypeError(f"causal must be a Python bool (static), got {type(causal).__name__}")
     if not (_is_tracer(block_table) or _is_tracer(cache_seqlens)):
         validation.check_concrete_values(block_table, cache_seqlens, k_cache.shape[0])
+    for name, descale in (("descale_q", descale_q), ("descale_k", descale_k)):
+        if descale is not None:
+            validation.check_positive_scale_value(name, descale)
 
     b = q.shape[0]
     implementation = resolve_implementation(implementation)

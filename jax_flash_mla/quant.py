@@ -28,6 +28,7 @@ from jax_flash_mla.formats import (
     QUANT_TILE,
     check_kv_format,
 )
+from jax_flash_mla.validation import check_positive_scale_value
 
 _E4M3_MAX = 448.0
 # Floor of the fp8_ds_mla tile scale: an all-zero (or tiny) tile gets 2^-13 instead of a zero or subnormal scale.
@@ -43,7 +44,7 @@ def quantize_kv_cache(kv, kv_format: str, scale=None):
     kv_format = check_kv_format(kv_format)
     kv = jnp.asarray(kv)
     _check_latent("kv", kv)
-    scale = _check_scale(scale, kv_format)
+    scale = check_scale(scale, kv_format)
     if kv_format == "bf16":
         return kv.astype(jnp.bfloat16)
     if kv_format == "fp8_per_tensor":
@@ -60,7 +61,7 @@ def dequantize_kv_cache(cache, kv_format: str, scale=None, dtype=jnp.bfloat16):
     kv_format = check_kv_format(kv_format)
     cache = jnp.asarray(cache)
     _check_cache("cache", cache, kv_format)
-    scale = _check_scale(scale, kv_format)
+    scale = check_scale(scale, kv_format)
     if kv_format == "bf16":
         return cache.astype(dtype)
     if kv_format == "fp8_per_tensor":
@@ -192,7 +193,7 @@ def _check_int(name, x):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
 
 
-def _check_scale(scale, kv_format):
+def check_scale(scale, kv_format):
     """Returns the fp8_per_tensor scale as a float32 scalar; None for the other formats."""
     if kv_format != "fp8_per_tensor":
         if scale is not None:
@@ -205,4 +206,5 @@ def _check_scale(scale, kv_format):
         raise TypeError(f"scale must be a floating-point (float32) scalar, got dtype {scale.dtype}")
     if scale.shape not in ((), (1,)):
         raise ValueError(f"scale must have shape () or (1,), got {scale.shape}")
+    check_positive_scale_value("scale", scale)
     return scale.astype(jnp.float32).reshape(())

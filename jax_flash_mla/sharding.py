@@ -50,7 +50,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import quant
+from . import quant, validation
 from .formats import HEAD_DIM_V
 from .primitives import decode_p, schedule
 from .primitives.base import _batch_sequentially, _no_derivative, sharding_free
@@ -408,6 +408,8 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     spec = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
     jax.eval_shape(functools.partial(quant.write_kv_cache, kv_format=kv_format),
                    *[spec(x) for x in (cache, new_kv, block_table, positions)], scale=spec(scale), layer=spec(layer))
+    if scale is not None:
+        validation.check_positive_scale_value("scale", scale)  # eval_shape saw only its shape
     extra = []
     if scale is not None:
         extra.append(scale.astype(jnp.float32).reshape((1,)))

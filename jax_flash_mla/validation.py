@@ -6,8 +6,9 @@ the API calls them only outside jit. Each error names the argument and says what
 
 from __future__ import annotations
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import formats
 from .scheduler import BEGIN_BATCH, BEGIN_SPLIT, BEGIN_TOKEN, END_BATCH, END_TOKEN, SCHED_META_INTS
@@ -38,6 +39,15 @@ def check_scalar_descale(name: str, x, kv_format: str) -> None:
     if tuple(np.shape(x)) not in ((), (1,)):
         raise ValueError(f"{name} must be a float32 scalar of shape [] or [1], got shape {tuple(np.shape(x))}")
     check_dtype(name, x, (_FLOAT32,))
+
+
+def check_positive_scale_value(name: str, x) -> None:
+    """Outside jit: a scale (or descale) is a positive finite number; 0, a negative or a NaN makes every value garbage."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    value = float(np.asarray(x, np.float32).reshape(()))
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
 
 
 def check_cache(name: str, k_cache, kv_format: str) -> None:

@@ -79,6 +79,8 @@ def test_unused_block_table_entries_may_be_garbage():
     (dict(descale_k=jnp.ones((2,), jnp.float32)), r"descale_k must be a float32 scalar of shape \[\] or \[1\]"),
     (dict(descale_k=jnp.ones((1,), jnp.bfloat16)), "descale_k must have dtype float32"),
     (dict(q=jnp.zeros((2, 1, 4, 576), jnp.bfloat16)), "q must have dtype float8_e4m3fn"),
+    (dict(descale_q=jnp.float32(0)), "descale_q must be a positive finite number, got 0.0"),
+    (dict(descale_k=jnp.full((1,), jnp.inf, jnp.float32)), "descale_k must be a positive finite number, got inf"),
 ])
 def test_fp8_per_tensor_argument_errors(changes, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -89,6 +91,9 @@ def test_metadata_errors():
     kw = inputs()
     with pytest.raises(ValueError, match="num_heads_k must be a positive Python int"):
         fm.get_mla_metadata(kw["cache_seqlens"], 4, 0)
+    for num_sms in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"num_sms must be a positive Python int, got {num_sms!r}"):
+            fm.get_mla_metadata(kw["cache_seqlens"], 4, 1, num_sms=num_sms)
     meta = fm.get_mla_metadata(jnp.array([5, 6, 7], jnp.int32), 4, 1)
     with pytest.raises(ValueError, match=r"num_splits must have shape \[3\]"):
         call(**kw, tile_scheduler_metadata=meta)
