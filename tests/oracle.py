@@ -184,3 +184,15 @@ def make_decode_inputs(
     return DecodeInputs(
         q, k_cache, block_table, seqlens, descale_q, descale_k, q64, kv_format=kv_format, h_kv=h_kv
     )
+
+
+def with_scales_not_powers_of_two(inputs: DecodeInputs, rng) -> DecodeInputs:
+    """fp8_ds_mla inputs whose token scales are multiplied by factors in [1, 2): a cache as another writer leaves it,
+    with fp32 scales (e.g. amax / 448) that are not powers of two. The e4m3 bytes stay, so every value moves by its
+    scale's factor; unused slots keep their NaN."""
+    assert inputs.kv_format == "fp8_ds_mla"
+    raw = inputs.k_cache.copy()
+    scales = raw[..., 512:528].copy().view("<f4")
+    scales *= rng.uniform(1.0, 2.0, scales.shape).astype(np.float32)
+    raw[..., 512:528] = scales.view(np.uint8)
+    return dataclasses.replace(inputs, k_cache=raw)

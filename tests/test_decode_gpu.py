@@ -72,7 +72,8 @@ import jax_flash_mla as fm
 from jax_flash_mla import _ffi
 
 from jax_flash_mla.accuracy import README_EMULATION, README_KERNEL, REGRESSION_FACTOR
-from oracle import GARBAGE_BLOCK, SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel
+from oracle import (GARBAGE_BLOCK, SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel,
+                    with_scales_not_powers_of_two)
 
 # JAX_FLASH_MLA_REQUIRE_GPU=1 (scripts/gpu_check.sh) turns the skips into failures: a format that did not build or
 # load then fails its tests instead of passing them silently. FP8 formats left out on purpose
@@ -421,6 +422,24 @@ def test_fp8_ds_mla_scale_ramp_in_one_chunk(direction):
     out, lse = jax.block_until_ready(fm.flash_mla_with_kvcache(
         *args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=False, implementation="kernel", **kwargs))
     ref_out, ref_lse = _references(inp, False)
+    _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
+
+
+@pytest.mark.parametrize("h_q", [pytest.param(16, marks=few_rows), 64])
+@pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
+def test_fp8_ds_mla_scales_not_powers_of_two(h_q):
+    """A cache from another writer, whose fp32 scales are not powers of two (amax / 448 unrounded): the per-group
+    normalizer N_g, P_g's factor k_scale * 16 / N_g and O's rescale by N_old / N_new are then rounded rather than
+    exact, which the format's tolerances absorb. Both kernels (few rows, 64 rows); the values ramp up by 2^3 along
+    each sequence, so that N_g grows from page to page, and end below the gaussian set's magnitude (larger logits
+    cost design A accuracy through q's rounding: test_fp8_ds_mla_scale_ramp_in_one_chunk)."""
+    rng = np.random.default_rng(23)
+    seqlens = np.array([4096, 140, 0, 77, 2049, 1000], np.int32)
+    inp = make_decode_inputs(rng, b=6, s_q=2, h_q=h_q, h_kv=1, seqlens=seqlens, kv_format="fp8_ds_mla",
+                             page_gain=lambda j, n: 2.0 ** (3 * j / max(n - 1, 1) - 4))
+    inp = with_scales_not_powers_of_two(inp, rng)
+    out, lse = _run(inp, True, "kernel")
+    ref_out, ref_lse = _references(inp, True)
     _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from jax_flash_mla.formats import KV_FORMATS
 from jax_flash_mla.reference import CHUNK_BYTES, chunk_pages, mla_decode_reference
-from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode
+from oracle import SOFTMAX_SCALE, make_decode_inputs, oracle_decode, with_scales_not_powers_of_two
 
 reference = jax.jit(mla_decode_reference, static_argnames=("softmax_scale", "causal", "kv_format", "chunk_tokens"))
 
@@ -89,6 +89,16 @@ def test_data_sets(dist, kv_format):
     inputs = make_decode_inputs(
         np.random.default_rng(7), b=3, s_q=2, h_q=16, h_kv=1, seqlens=[64, 5, 191], kv_format=kv_format, dist=dist
     )
+    run_and_check(inputs, causal=True)
+
+
+def test_fp8_ds_mla_scales_not_powers_of_two():
+    """An fp8_ds_mla cache written elsewhere, with fp32 scales that are not powers of two, decodes by its scales."""
+    rng = np.random.default_rng(17)
+    inputs = make_decode_inputs(rng, b=3, s_q=2, h_q=16, h_kv=1, seqlens=[64, 5, 191], kv_format="fp8_ds_mla")
+    inputs = with_scales_not_powers_of_two(inputs, rng)
+    scales = inputs.k_cache[..., 512:528].copy().view("<f4")
+    assert (np.frexp(scales[np.isfinite(scales)])[0] != 0.5).mean() > 0.9  # mostly not powers of two
     run_and_check(inputs, causal=True)
 
 

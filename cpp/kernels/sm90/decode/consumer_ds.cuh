@@ -173,7 +173,8 @@ __device__ uint32_t SplitKvMlaKernel<kFormat, kNarrow>::ds_scale_addr(uint32_t s
 // and one warp-wide integer max (REDUX) per group, since positive floats order
 // as their bit patterns (instead of five shuffle + max steps); negative or NaN
 // scales (not written by the quantizer) count as 0, and a group without any
-// gets 1 (scales are positive powers of two; guard anyway).
+// gets 1 (scales are positive: powers of two from our quantizer, any fp32
+// from other writers; guard anyway).
 template <config::KvFormat kFormat, bool kNarrow>
 __device__ float4 SplitKvMlaKernel<kFormat, kNarrow>::ds_token_scales(uint32_t slot_base, int t, int valid) {
   float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -429,7 +430,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact: N_g is a power of two
+        const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact for a power-of-two N_g, else within 1 ulp
         CUTE_UNROLL
         for (int j = 0; j < 8; ++j) ksc[j][g] *= f;
       }

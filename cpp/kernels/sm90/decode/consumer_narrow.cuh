@@ -329,7 +329,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
       if constexpr (kGroups) {
         CUTE_UNROLL
         for (int g = 0; g < 4; ++g) {
-          const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact: N_g is a power of two
+          const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact for a power-of-two N_g, else within 1 ulp
           store_pt(smem_addr(plan.p[wg][g][parity]), [&](int v) { return tok_scales[(v >> 1) & 1][g] * f; });
         }
       } else {

@@ -42,9 +42,9 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// 1 / x on the SFU alone (rcp.approx.ftz): exact for the powers of two it is
-// used on (fp8_ds_mla's group normalizers), without __fdividef's guard for
-// divisors near the top of the range.
+// 1 / x on the SFU alone (rcp.approx.ftz): exact for powers of two (fp8_ds_mla's
+// group normalizers from our quantizer; other scales round within 1 ulp),
+// without __fdividef's guard for divisors near the top of the range.
 __device__ __forceinline__ float rcp_ftz(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
