@@ -138,10 +138,12 @@ def check_sched_meta_values(sched_meta, num_splits, cache_seqlens) -> None:
     """Outside jit: with this metadata the kernel reads every key of these lengths once, and the combine finds
     every split.
 
-    The kernel reads a partition's chunks as the metadata gives them, clamped to the current lengths (cpp:
-    `make_chunk`). So metadata computed for longer sequences still works (slower: unbalanced), but an earlier
-    decode step's, computed when the sequences were shorter, leaves their newest keys unread. Under jit nothing is
-    checked and that goes unnoticed: compute the metadata once per decode step.
+    The kernel reads a partition's chunks as the metadata gives them, clamped to the current lengths, from the
+    page of the chunk's start (cpp: `make_chunk`, `Chunk::first_page`). So an earlier decode step's metadata,
+    computed when the sequences were shorter, leaves their newest keys unread, and metadata of longer sequences
+    reads the page where a sequence now ends twice when it had split the sequence past that end (only whole
+    sequences, or splits past a page boundary, come out right). Under jit nothing is checked and that goes
+    unnoticed: compute the metadata once per decode step.
     """
     meta = np.asarray(sched_meta).astype(np.int64)
     splits = np.asarray(num_splits).astype(np.int64)
@@ -157,7 +159,7 @@ def check_sched_meta_values(sched_meta, num_splits, cache_seqlens) -> None:
         raise ValueError(f"tile_scheduler_metadata names sequences outside [0, {b}) (batch {b}); {hint}")
     # Every chunk as the kernel reads it: (sequence, start, stop, split index). A partition's first sequence
     # starts at begin_token and its last stops at end_token, the others are whole; then stop is clamped to the
-    # length and start to stop.
+    # length and start to stop, and the kernel reads from start's page on.
     one = bb == eb
     inner = np.maximum(eb - bb - 1, 0)
     whole = np.repeat(bb + 1, inner) + np.arange(inner.sum()) - np.repeat(np.cumsum(inner) - inner, inner)
@@ -166,6 +168,7 @@ def check_sched_meta_values(sched_meta, num_splits, cache_seqlens) -> None:
     given_start = np.concatenate([bt, np.zeros(tails, np.int64)])
     stop = np.minimum(np.concatenate([np.where(one, et, lens[bb]), et[~one], lens[whole]]), lens[seq])
     start = np.minimum(given_start, stop)
+    start -= start % formats.PAGE_SIZE
     index = np.concatenate([bs, np.zeros(tails, np.int64)])
     order = np.lexsort((given_start, seq))
     seq, start, stop, index = seq[order], start[order], stop[order], index[order]

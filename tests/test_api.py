@@ -102,14 +102,19 @@ def test_metadata_errors():
 
 
 def test_metadata_of_other_lengths_outside_jit():
-    """The kernel reads the chunks that passed metadata gives, clamped to the current lengths. Metadata of an
-    earlier step (shorter sequences) would leave the newest keys unread: outside jit that is an error naming the
-    sequence. Metadata of longer sequences reads the same keys."""
+    """The kernel reads the chunks that passed metadata gives, clamped to the current lengths, from their first
+    page. Metadata of an earlier step (shorter sequences) would leave the newest keys unread, and metadata that
+    split a longer sequence past where it now ends would read its last page twice: outside jit both are errors
+    naming the sequence. Metadata of longer sequences that keeps them whole reads the same keys."""
     kw = inputs()
     rows = S_Q * H_Q // H_KV
     earlier = fm.get_mla_metadata(kw["cache_seqlens"] - 1, rows, H_KV)
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata does not fit cache_seqlens\[0\] = 130"):
         call(**kw, tile_scheduler_metadata=earlier)
+    split_longer = fm.get_mla_metadata(jnp.array([4000, 5], jnp.int32), rows, H_KV)
+    assert int(split_longer.num_splits[1]) > 1  # sequence 0 split, its second chunk starting past 130
+    with pytest.raises(ValueError, match=r"tile_scheduler_metadata does not fit cache_seqlens\[0\] = 130"):
+        call(**kw, tile_scheduler_metadata=split_longer)
     want = call(**kw, tile_scheduler_metadata=fm.get_mla_metadata(kw["cache_seqlens"], rows, H_KV))
     got = call(**kw, tile_scheduler_metadata=fm.get_mla_metadata(kw["cache_seqlens"] + 60, rows, H_KV))
     for a, b in zip(want, got):

@@ -202,7 +202,8 @@ def check_invariants(lens, parts, meta, num_splits):
 def kernel_reads_every_key_once(meta, num_splits, lens) -> bool:
     """Whether the decode kernel, given this metadata, reads each key of `lens` exactly once and writes each of the
     num_splits partials once: a transcription of make_chunk / for_each_chunk (cpp/kernels/sm90/decode/
-    splitkv_mla.cuh), token by token."""
+    splitkv_mla.cuh) and of the consumers' page loops (pages first_page() .. end_page() - 1, tokens past the
+    chunk's end masked, none before its start), token by token."""
     partials = [[] for _ in lens]
     for bb, bt, eb, et, bs in np.asarray(meta)[:, :5].tolist():
         for i in range(bb, eb + 1):
@@ -215,7 +216,9 @@ def kernel_reads_every_key_once(meta, num_splits, lens) -> bool:
             return False
         reads = np.zeros(int(lens[i]), np.int64)
         for _, begin, end in chunks:
-            reads[begin:end] += 1
+            first_page, end_page = begin // PAGE_SIZE, -(-end // PAGE_SIZE)
+            for page in range(first_page, end_page):
+                reads[page * PAGE_SIZE:min(end, (page + 1) * PAGE_SIZE)] += 1
         if (reads != 1).any():
             return False
     return True
