@@ -42,7 +42,7 @@ def check_scalar_descale(name: str, x, kv_format: str) -> None:
 
 
 def check_positive_scale_value(name: str, x) -> None:
-    """Outside jit: a scale (or descale) is a positive finite number; 0, a negative or a NaN makes every value garbage."""
+    """Outside jit: a scale (or descale) is a positive finite number (0, a negative or a NaN spoils every value)."""
     if isinstance(x, jax.core.Tracer):
         return
     value = float(np.asarray(x, np.float32).reshape(()))
@@ -105,7 +105,8 @@ def check_sched_meta(sched_meta, num_splits, batch: int) -> None:
     check_rank("tile_scheduler_metadata", sched_meta, 2, f"[num_sm_parts, {SCHED_META_INTS}]")
     check_dtype("tile_scheduler_metadata", sched_meta, (_INT32,))
     if sched_meta.shape[1] != SCHED_META_INTS or sched_meta.shape[0] < 1:
-        raise ValueError(f"tile_scheduler_metadata must have shape [num_sm_parts, {SCHED_META_INTS}], got {tuple(sched_meta.shape)}")
+        raise ValueError(f"tile_scheduler_metadata must have shape [num_sm_parts, {SCHED_META_INTS}], "
+                         f"got {tuple(sched_meta.shape)}")
     check_rank("num_splits", num_splits, 1, "[batch + 1]")
     check_dtype("num_splits", num_splits, (_INT32,))
     if num_splits.shape[0] != batch + 1:
