@@ -425,9 +425,9 @@ def test_fp8_ds_mla_scale_ramp_in_one_chunk(direction):
     _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
 
 
-@pytest.mark.parametrize("h_q", [pytest.param(16, marks=few_rows), 64])
+@pytest.mark.parametrize("s_q, h_q", [pytest.param(1, 16, marks=few_rows), (2, 64)])  # 16 rows; 128
 @pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
-def test_fp8_ds_mla_scales_not_powers_of_two(h_q):
+def test_fp8_ds_mla_scales_not_powers_of_two(s_q, h_q):
     """A cache from another writer, whose fp32 scales are not powers of two (amax / 448 unrounded): the per-group
     normalizer N_g, P_g's factor k_scale * 16 / N_g and O's rescale by N_old / N_new are then rounded rather than
     exact, which the format's tolerances absorb. Both kernels (few rows, 64 rows); the values ramp up by 2^3 along
@@ -435,11 +435,12 @@ def test_fp8_ds_mla_scales_not_powers_of_two(h_q):
     cost design A accuracy through q's rounding: test_fp8_ds_mla_scale_ramp_in_one_chunk)."""
     rng = np.random.default_rng(23)
     seqlens = np.array([4096, 140, 0, 77, 2049, 1000], np.int32)
-    inp = make_decode_inputs(rng, b=6, s_q=2, h_q=h_q, h_kv=1, seqlens=seqlens, kv_format="fp8_ds_mla",
+    inp = make_decode_inputs(rng, b=6, s_q=s_q, h_q=h_q, h_kv=1, seqlens=seqlens, kv_format="fp8_ds_mla",
                              page_gain=lambda j, n: 2.0 ** (3 * j / max(n - 1, 1) - 4))
     inp = with_scales_not_powers_of_two(inp, rng)
-    out, lse = _run(inp, True, "kernel")
-    ref_out, ref_lse = _references(inp, True)
+    causal = s_q > 1
+    out, lse = _run(inp, causal, "kernel")
+    ref_out, ref_lse = _references(inp, causal)
     _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
 
 
