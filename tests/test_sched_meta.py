@@ -202,8 +202,8 @@ def check_invariants(lens, parts, meta, num_splits):
 def kernel_reads_every_key_once(meta, num_splits, lens) -> bool:
     """Whether the decode kernel, given this metadata, reads each key of `lens` exactly once and writes each of the
     num_splits partials once: a transcription of make_chunk / for_each_chunk (cpp/kernels/sm90/decode/
-    splitkv_mla.cuh) and of the consumers' page loops (pages first_page() .. end_page() - 1, tokens past the
-    chunk's end masked, none before its start), token by token."""
+    splitkv_mla.cuh) and of the consumers' page loops (pages first_page() .. end_page() - 1, whole but for the
+    tokens past the chunk's end, which are masked), token by token."""
     partials = [[] for _ in lens]
     for bb, bt, eb, et, bs in np.asarray(meta)[:, :5].tolist():
         for i in range(bb, eb + 1):
