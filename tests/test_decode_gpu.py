@@ -328,28 +328,6 @@ def test_kernel_with_precomputed_metadata_under_jit(kv_format):
     _check(out, lse, ref_out, ref_lse, kv_format)
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("other", ["earlier", "split_longer", "permuted"])
-@pytest.mark.parametrize("s_q, h_q", [(2, 64), pytest.param(1, 16, marks=few_rows)])
-def test_kernel_with_metadata_of_other_lengths_under_jit(s_q, h_q, other, kv_format):
-    """Under jit nothing checks the metadata: one computed for other lengths (a step earlier; longer sequences
-    split over 8 partitions, so splits start past where the sequences now end; the batch's lengths permuted)
-    still reads every key once (make_chunk: a sequence's last split ends at its length, a chunk past it reads no
-    page), only less balanced."""
-    rng = np.random.default_rng(29)
-    seqlens = np.array([4096, 140, 0, 77, 2049, 1000], np.int32)
-    inp = make_decode_inputs(rng, b=6, s_q=s_q, h_q=h_q, h_kv=1, seqlens=seqlens, kv_format=kv_format)
-    args, kwargs = inp.kernel_args()
-    lens, num_sms = {"earlier": (np.maximum(seqlens - 3, 0), None), "split_longer": (seqlens + 3000, 8),
-                     "permuted": (seqlens[::-1].copy(), 8)}[other]
-    meta = fm.get_mla_metadata(jnp.asarray(lens), s_q * h_q, 1, num_sms=num_sms)
-    fn = jax.jit(lambda *a: fm.flash_mla_with_kvcache(*a[:4], 512, a[4], softmax_scale=SOFTMAX_SCALE, causal=True,
-                                                      implementation="kernel", **kwargs))
-    out, lse = jax.block_until_ready(fn(*args, meta))
-    ref_out, ref_lse = _references(inp, True)
-    _check(out, lse, ref_out, ref_lse, kv_format)
-
-
 @pytest.mark.parametrize("dist", ["gaussian", "rope_outliers", "small_latent"])
 @pytest.mark.skipif(not _runs("fp8_per_tensor"), reason="the fp8_per_tensor kernel is not usable here")
 def test_fp8_per_tensor_error_vs_unquantized_oracle(dist):
