@@ -7,8 +7,11 @@ A loop is a predicated backward branch and the instructions it jumps over: spin-
 unconditional jumps back from out-of-line blocks (an mbarrier wait's retry path at the function's end) are left out.
 Loops are listed by address, nested ones indented. The consumer's page loops are the large ones with tensor
 instructions: their counts are what a warp issues per page (per page pair for bf16 / fp8_per_tensor) when every
-branch inside runs, so a change that moves work out of the loop shows here before any timing. Conditional paths
-inside (the lazy O rescale) are counted too.
+branch inside runs, so a change that moves work out of the loop shows here before any timing. `instr` counts the
+conditional paths inside too (the lazy O rescale); `min` is the fewest a pass through the loop can issue, taking
+the forward branches that skip work (each inner loop once). That is the common pass of fp8_ds_mla's page loop (no
+O rescale, no N_g growth, no masking, a next page), but not of the pair loops: their shortest pass is a chunk's
+last pair without a page B.
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (where the CUDA toolkit lacks it, the nvidia-cuda-cuobjdump
 wheel has one).
 """
@@ -75,6 +78,30 @@ def loops(instructions, min_size: int = 1) -> list:
     return sorted(found)
 
 
+def shortest_pass(instructions, start: int, end: int) -> int:
+    """Fewest instructions on a path from start to the loop's backward branch at end: fall-throughs and the
+    forward branches that land inside the loop (an unconditional one has no fall-through; backward branches, the
+    inner loops', fall through; branches that leave the loop, the out-of-line wait retries, return)."""
+    body = [ins for ins in instructions if start <= ins[0] <= end]
+    position = {ins[0]: i for i, ins in enumerate(body)}
+    unreached = len(body) + 1
+    fewest = [unreached] * len(body)
+    fewest[0] = 1
+    for i, (address, predicate, opcode, modifiers, operands) in enumerate(body):
+        if fewest[i] == unreached:
+            continue
+        target = _TARGET.search(operands) if opcode == "BRA" else None
+        nexts = []
+        if target and address < int(target.group(1), 16) <= end:
+            nexts.append(position[int(target.group(1), 16)])
+        if not (opcode == "BRA" and not predicate and target and int(target.group(1), 16) > address) \
+                and i + 1 < len(body):
+            nexts.append(i + 1)
+        for j in nexts:
+            fewest[j] = min(fewest[j], fewest[i] + 1)
+    return fewest[-1]
+
+
 def mix(instructions, start: int, end: int) -> collections.Counter:
     return collections.Counter(opcode_class(op) for address, _, op, _, _ in instructions if start <= address <= end)
 
@@ -91,12 +118,13 @@ def report(name: str, instructions, min_size: int) -> list:
     for span in spans:
         counts = mix(instructions, *span)
         where = "  " * depth(span, spans) + f"{span[0]:#07x}-{span[1]:#07x}"
-        rows.append(f"{name:<26} {where:<21} {sum(counts.values()):>6} " + " ".join(f"{counts[c]:>7}" for c in COLUMNS))
+        rows.append(f"{name:<26} {where:<21} {sum(counts.values()):>6} {shortest_pass(instructions, *span):>6} "
+                    + " ".join(f"{counts[c]:>7}" for c in COLUMNS))
     return rows
 
 
 def header() -> str:
-    return f"{'kernel':<26} {'loop':<21} {'instr':>6} " + " ".join(f"{c:>7}" for c in COLUMNS)
+    return f"{'kernel':<26} {'loop':<21} {'instr':>6} {'min':>6} " + " ".join(f"{c:>7}" for c in COLUMNS)
 
 
 def dump(cuobjdump: str, module: str, key: str) -> str:

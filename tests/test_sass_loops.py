@@ -49,7 +49,33 @@ def test_report_indents_nested_loops(tmp_path, capsys):
     path.write_text(LISTING)
     assert sass_loops.main(["--sass", str(path), "--min-size", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["kernel", "loop", "instr"]
-    assert lines[1].split()[1:3] == ["0x00010-0x000a0", "10"]
-    assert "  0x00030-0x00070" in lines[2] and lines[2].split()[1:3] == ["0x00030-0x00070", "5"]
+    assert lines[0].split()[:4] == ["kernel", "loop", "instr", "min"]
+    assert lines[1].split()[1:4] == ["0x00010-0x000a0", "10", "10"]  # no forward branch: every pass issues all
+    assert "  0x00030-0x00070" in lines[2] and lines[2].split()[1:4] == ["0x00030-0x00070", "5", "5"]
     assert len(lines) == 3
+
+
+# A loop 0x10-0xa0 with a skippable block (0x30-0x50, as the lazy rescale) and an if / else (then 0x70-0x80 with
+# its jump over the else, else 0x90); a wait retry out of line (0xb0) that returns.
+BRANCHES = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FADD R2, R3, R4 ;
+        /*0020*/               @P0 BRA 0x60 ;
+        /*0030*/                   FMUL R5, R5, R6 ;
+        /*0040*/                   FMUL R7, R7, R6 ;
+        /*0050*/               @P3 BRA 0xb0 ;
+        /*0060*/               @P1 BRA 0x90 ;
+        /*0070*/                   FADD R2, R2, R4 ;
+        /*0080*/                   BRA 0xa0 ;
+        /*0090*/                   FMUL R2, R2, R4 ;
+        /*00a0*/              @!P2 BRA 0x10 ;
+        /*00b0*/                   BRA 0x60 ;
+"""
+
+
+def test_shortest_pass_takes_the_skipping_branches():
+    instructions = sass_loops.parse(BRANCHES)
+    assert sass_loops.loops(instructions) == [(0x10, 0xA0)]
+    assert sum(sass_loops.mix(instructions, 0x10, 0xA0).values()) == 10
+    # 0x10, 0x20 -> 0x60 -> 0x90, 0xa0: the skipped block and the shorter arm.
+    assert sass_loops.shortest_pass(instructions, 0x10, 0xA0) == 5
