@@ -9,9 +9,9 @@ Loops are listed by address, nested ones indented. The consumer's page loops are
 instructions: their counts are what a warp issues per page (per page pair for bf16 / fp8_per_tensor) when every
 branch inside runs, so a change that moves work out of the loop shows here before any timing. `instr` counts the
 conditional paths inside too (the lazy O rescale); `min` is the fewest a pass through the loop can issue, taking
-the forward branches that skip work (each inner loop once). That is the common pass of fp8_ds_mla's page loop (no
-O rescale, no N_g growth, no masking, a next page), but not of the pair loops: their shortest pass is a chunk's
-last pair without a page B.
+the forward branches that skip work (each inner loop once). For fp8_ds_mla's page loop that is the common pass
+(no O rescale, no N_g growth, no masking) less the next page's S head, which a chunk's last page skips; the pair
+loops' shortest pass is a chunk's last pair without a page B, far from their common one.
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (where the CUDA toolkit lacks it, the nvidia-cuda-cuobjdump
 wheel has one).
 """
