@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <cuda_fp8.h>
 
@@ -65,12 +66,67 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
   }
 }
 
+// The address steps transpose_v takes between its blocks instead of
+// evaluating the swizzled layouts per block (which ptxas did not simplify:
+// ~150 integer instructions a page for fp8_ds_mla). Both tiles swizzle 16-byte
+// chunks within an 8-row atom, which the checks below pin down for every
+// address the transpose forms:
+// - K slot (tokens x channels): 16 tokens down is kTokenStep bytes on (the
+//   swizzle reads only a row's low three bits); 32 channels on, from a chunk
+//   of an even pair (c % 64 < 32), flips address bit 5 (the chunk's bit 1).
+// - V^T (channels x 64 tokens, one 64-byte row per channel): 16 tokens on is
+//   an XOR of 16 k on the chunk bits; 32 channels down is kVtChannelStep on.
+template <class Tr>
+struct TransposeSteps {
+  static constexpr int kChannels = decode_cfg::kHeadDimV;
+  static constexpr int kTokenStep = typename Tr::SmemLayoutK{}(16, 0) - typename Tr::SmemLayoutK{}(0, 0);
+  static constexpr int kVtChannelStep = typename Tr::SmemLayoutV{}(32, 0) - typename Tr::SmemLayoutV{}(0, 0);
+
+  // Checked per 32-channel range: one constant evaluation over the whole
+  // tile exceeds the front end's budget.
+  static constexpr bool hold(int c_begin) {
+    const typename Tr::SmemLayoutK k{};
+    const typename Tr::SmemLayoutV vt{};
+    // The K slot: a lane's ldmatrix row of block (h, j) from its block-(0, 0) row (token t < 16, a chunk c with
+    // c % 64 < 32), as transpose_v forms it.
+    for (int c = c_begin; c < c_begin + 32; c += 16) {
+      for (int t = 0; c % 64 < 32 && t < 16; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          for (int j = 0; j < 4; ++j) {
+            if (k(t + 16 * j, c + 32 * h) != (k(t, c) ^ (32 * h)) + j * kTokenStep) return false;
+          }
+        }
+      }
+    }
+    // V^T: a lane's stmatrix row (one channel) of block (h, j) from its block-(0, 0) row.
+    for (int c = c_begin; c < c_begin + 32; ++c) {
+      for (int h = 0; h < 2 && c + 32 * h < kChannels; ++h) {
+        for (int j = 0; j < 4; ++j) {
+          if (vt(c + 32 * h, 16 * j) != (vt(c, 0) ^ (16 * j)) + h * kVtChannelStep) return false;
+        }
+      }
+    }
+    return true;
+  }
+  template <int... kRanges>
+  static constexpr bool hold_each(std::integer_sequence<int, kRanges...>) {
+    return (Check<32 * kRanges>::value && ...);
+  }
+  template <int kBegin>
+  struct Check {
+    static constexpr bool value = hold(kBegin);
+    static_assert(value, "the K slot and V^T layouts step as TransposeSteps says");
+  };
+  static constexpr bool kHold = hold_each(std::make_integer_sequence<int, kChannels / 32>{});
+};
+
 // Consumer WG `wg` writes V^T[c][p_column(t)] = K[t][c] for its channels
 // c in [256 wg, 256 wg + 256) and the page's 64 tokens, with zeros for tokens
 // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
 // and 0 * NaN = NaN in P V): their ldmatrix rows point at a 16-byte zero
 // row instead, so the code stays branch-free while this WG's S WGMMA runs.
-// Per warp, eight blocks of 16 tokens x 32 channels (512 bytes), each:
+// Per warp, eight blocks (h, k) of 16 tokens 16 k .. x 32 channels 32 h ..
+// (512 bytes), each:
 //   ldmatrix.x4.trans: matrix m = tokens 8 (m % 2) + 0..7 x channels
 //     16 (m / 2) + 0..15 as 8x8 b16; lane i gets, of channels c, c + 1
 //     (c = 2 (i / 4) [+ 16 for m >= 2]), tokens 2q, 2q + 1 (q = i % 4)
@@ -83,17 +139,19 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
 //     16-byte bank groups (even channels only would conflict 2-way), the
 //     per-lane choice costing nothing (a PRMT selector register).
 // The loads are conflict-free too (8 consecutive tokens of one swizzle
-// unit). The writer's fence.proxy.async and a barrier both WGs pass (a
-// page-ready barrier, or kPReady) order the stores before the P V WGMMA.
+// unit). A lane's addresses come from its block (0, 0) ones by
+// TransposeSteps: k and h as immediate offsets, the rest one XOR each. The
+// writer's fence.proxy.async and a barrier both WGs pass (a page-ready
+// barrier, or kPReady) order the stores before the P V WGMMA.
 template <class Tr>
 __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
                                             const typename Tr::Element* zeros, int wg, int tid, int valid) {
   static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
+  using Steps = TransposeSteps<Tr>;
+  static_assert(Steps::kHold);
+  constexpr uint32_t kTokenStep = Steps::kTokenStep, kVtChannelStep = Steps::kVtChannelStep;
   const typename Tr::SmemLayoutK layout_k{};
   const typename Tr::SmemLayoutV layout_vt{};
-  const uint32_t k_base = smem_addr(k_slot);
-  const uint32_t vt_base = smem_addr(vt);
-  const uint32_t zero_row = smem_addr(zeros);
   const int lane = tid % 32;
   const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
   const int ld_token = 8 * (m % 2) + r;
@@ -105,6 +163,11 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
   const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
   const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
+  const uint32_t ld_first = uint32_t(layout_k(ld_token, warp_channels + ld_channel));  // block (0, 0)
+  const uint32_t ld_from[2] = {smem_addr(k_slot) + ld_first, smem_addr(k_slot) + (ld_first ^ 32u)};
+  const uint32_t zero_row = smem_addr(zeros);
+  const uint32_t st_first = uint32_t(layout_vt(warp_channels + st_channel, 0));
+  const uint32_t vt_base = smem_addr(vt);
   // Blocks go in batches: the batch's ldmatrix are issued back to back
   // before its first PRMT, so their latencies overlap (one block at a time,
   // every PRMT waited on its own ldmatrix: the top short-scoreboard stall of
@@ -113,31 +176,24 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   // may pass stores to V^T, a different buffer.
   constexpr int kBlocks = 8, kBatch = Tr::kTransposeBatch;
   static_assert(kBlocks % kBatch == 0, "whole batches");
-  auto block_origin = [&](int block, int& ch0, int& t0) {
-    ch0 = warp_channels + (block / 4) * 32;
-    t0 = (block % 4) * 16;
-  };
   CUTE_UNROLL
   for (int first = 0; first < kBlocks; first += kBatch) {
     uint32_t d[kBatch][4];
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {
-      int ch0, t0;
-      block_origin(first + b, ch0, t0);
-      const int token = t0 + ld_token;
-      const uint32_t src = token < valid ? k_base + uint32_t(layout_k(token, ch0 + ld_channel)) : zero_row;
+      const int h = (first + b) / 4, k = (first + b) % 4;
+      const uint32_t from = 16 * k + ld_token < valid ? ld_from[h] + k * kTokenStep : zero_row;
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(d[b][0]), "=r"(d[b][1]), "=r"(d[b][2]), "=r"(d[b][3])
-                   : "r"(src)
+                   : "r"(from)
                    : "memory");  // stays after the k_full wait
     }
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {
-      int ch0, t0;
-      block_origin(first + b, ch0, t0);
+      const int h = (first + b) / 4, k = (first + b) % 4;
       const uint32_t o0 = __byte_perm(d[b][0], d[b][1], sel_first), o1 = __byte_perm(d[b][0], d[b][1], sel_second);
       const uint32_t o2 = __byte_perm(d[b][2], d[b][3], sel_first), o3 = __byte_perm(d[b][2], d[b][3], sel_second);
-      stmatrix_x4(vt_base + uint32_t(layout_vt(ch0 + st_channel, t0)), o0, o1, o2, o3);
+      stmatrix_x4(vt_base + (st_first ^ uint32_t(16 * k)) + h * kVtChannelStep, o0, o1, o2, o3);
     }
   }
 }
