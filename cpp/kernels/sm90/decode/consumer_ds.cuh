@@ -156,7 +156,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::load_q_ds(const SplitKvArgs&
     }
     *reinterpret_cast<uint4*>(raw_pointer_cast(&sQR(row, 16 * g + 8 * i))) = make_uint4(y[0], y[1], y[2], y[3]);
   }
-  if (g == 0) plan.q_scale[row] = scale;
+  if (g == 0) {
+    plan.q_scale[row] = scale;
+    if constexpr (!kNarrow) plan.row_lag[row] = p.seqlen_q - 1 - r / p.heads_per_head_k;  // consumer_ds's limits
+  }
   fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
   named_barrier_sync(NamedBarriers::kQReady, kConsumers);
 }
@@ -408,13 +411,19 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       }
       if (page + 1 < page_end) issue_s_head(it + 1);
 
-      // Visible keys per row (as in consumer()), recomputed per page from an
-      // opaque copy of the length: kept across the page loop, these three
-      // registers made ptxas spill next to O.
-      int limit[2];
+      // Visible keys per row (visible_limits' arithmetic), recomputed per page
+      // from an opaque copy of the length and the rows' lags in shared memory:
+      // kept across the page loop, these three registers made ptxas spill next
+      // to O, and the lags' integer divisions took ~50 instructions a page.
+      int limit[2] = {c.end_token, c.end_token};
       int seqlen = c.seqlen;
       asm volatile("" : "+r"(seqlen));
-      const int min_limit = visible_limits(p, c, seqlen, m_block, rows, limit);
+      int min_limit = c.end_token;
+      if (p.causal) {
+        limit[0] = min(limit[0], seqlen - plan.row_lag[rows[0]]);
+        limit[1] = min(limit[1], seqlen - plan.row_lag[rows[1]]);
+        min_limit = min(min_limit, seqlen - p.seqlen_q + 1);
+      }
       const int tok0 = page * kBlockN + wg * kNPerWG;
       if (page * kBlockN + kBlockN > min_limit) mask_invisible(sc, tScS, tok0, limit);
 

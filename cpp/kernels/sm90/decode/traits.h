@@ -430,6 +430,9 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     alignas(1024) Element p[kNumGroups][kPElems];  // P_g, one tile per output group
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float q_scale[decode_cfg::kBlockM];  // q's per-row power-of-two scale
+    // Under causal, how many of the sequence's last keys a row does not see: s_q - 1 - its query token
+    // (negative for the padding rows past q_rows_per_head_k). Written with q_scale, read per page.
+    int row_lag[decode_cfg::kBlockM];
     float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages];
