@@ -369,14 +369,20 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         ksc[j][2] = x.z;
         ksc[j][3] = x.w;
       }
-      // N_g old / new: exact for power-of-two scales; unused at the first page. An IEEE division, unlike the
-      // few-rows kernel's rcp_ftz: here rcp_ftz made ptxas serialize the page's WGMMAs (C7515, session 12).
-      float shrink[kGroups];
+      // N_g old / new: exact for power-of-two scales; unused at the first page. IEEE divisions, taken only on
+      // the pages where some N_g grows (warp-uniform: the n_g are REDUX results): replaced by rcp.approx
+      // (session 12) or by exponent arithmetic, the quotients made ptxas serialize the page's WGMMAs (C7515).
+      float shrink[kGroups] = {1.f, 1.f, 1.f, 1.f};
+      bool grows = false;
       CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) {
-        const float grown = fmaxf(norm[g], n[g]);
-        shrink[g] = norm[g] / grown;
-        norm[g] = grown;
+      for (int g = 0; g < kGroups; ++g) grows |= n[g] > norm[g];
+      if (grows) {
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) {
+          const float grown = fmaxf(norm[g], n[g]);
+          shrink[g] = norm[g] / grown;
+          norm[g] = grown;
+        }
       }
 
       // S += k_scale[t, g] * T_g, in fp32 (q's row scale comes last).
