@@ -44,7 +44,7 @@ def quantize_kv_cache(kv, kv_format: str, scale=None):
     kv_format = check_kv_format(kv_format)
     kv = jnp.asarray(kv)
     _check_latent("kv", kv)
-    scale = check_scale(scale, kv_format)
+    scale = _check_scale(scale, kv_format)
     if kv_format == "bf16":
         return kv.astype(jnp.bfloat16)
     if kv_format == "fp8_per_tensor":
@@ -61,7 +61,7 @@ def dequantize_kv_cache(cache, kv_format: str, scale=None, dtype=jnp.bfloat16):
     kv_format = check_kv_format(kv_format)
     cache = jnp.asarray(cache)
     _check_cache("cache", cache, kv_format)
-    scale = check_scale(scale, kv_format)
+    scale = _check_scale(scale, kv_format)
     if kv_format == "bf16":
         return cache.astype(dtype)
     if kv_format == "fp8_per_tensor":
@@ -193,7 +193,7 @@ def _check_int(name, x):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
 
 
-def check_scale(scale, kv_format):
+def _check_scale(scale, kv_format):
     """Returns the fp8_per_tensor scale as a float32 scalar; None for the other formats."""
     if kv_format != "fp8_per_tensor":
         if scale is not None:
