@@ -59,8 +59,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // The two rows this thread holds (fragment row halves 0 and 1).
   const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
   constexpr int kSteps = decltype(size<2>(tSrQ))::value;
-  constexpr int kLeftSteps = kSteps * decode_cfg::kLeftSlabs / decode_cfg::kSlabs;
-  static_assert(kLeftSteps * decode_cfg::kSlabs == kSteps * decode_cfg::kLeftSlabs, "k-steps per slab");
 
   auto stage_of = [](int i) { return i % Tr::kNumStages; };
   auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
@@ -100,32 +98,42 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         local_tile(sV, Shape<Int<decode_cfg::kHeadDimVPerWG>, Int<kBlockN>>{}, make_coord(wg, 0)));
   };
 
-  // S = Q K^T of page i over the 576 channels; the k-steps of the part
-  // that lands first (left, or right for a page B with kBRightFirst) are
-  // issued while the other part may still be landing.
+  // Page i's part `part` has landed: every piece of it.
+  auto wait_part = [&](int i, int part) {
+    CUTE_UNROLL
+    for (int piece = 0; piece < Tr::kPiecesPerPart; ++piece) {
+      mbarrier_wait(&plan.k_full[stage_of(i)][part * Tr::kPiecesPerPart + piece], phase_of(i));
+    }
+  };
+  // S = Q K^T of page i over the 576 channels, issued piece by piece as the
+  // slot's pieces land (the left part first, or the right one for a page B
+  // with kBRightFirst), so a piece's k-steps run while the next may still be
+  // landing. The right part's RoPE slab lands with its first piece.
   // (always_inline: called from three places, it would otherwise become a
   // call, with the accumulators passed through the stack.)
+  constexpr int kStepsPerSlab = kSteps / decode_cfg::kSlabs;
+  static_assert(kStepsPerSlab * decode_cfg::kSlabs == kSteps, "k-steps per slab");
+  constexpr int kPieceSteps = Tr::kSlabsPerBox * kStepsPerSlab;
+  constexpr int kRopeStep = (decode_cfg::kSlabs - 1) * kStepsPerSlab;
   auto issue_s = [&](int i, bool right_first) __attribute__((always_inline)) {
     Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
     stamp(args, wg, i, event_trace::kSWaitStart);
-    const int first = right_first ? 1 : 0;
-    mbarrier_wait(&plan.k_full[stage_of(i)][first], phase_of(i));
-    stamp(args, wg, i, first == 0 ? event_trace::kSLeftLanded : event_trace::kSRightLanded);
-    warpgroup_arrive();
-    if (right_first) {
-      wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false, kLeftSteps);
-    } else {
-      wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, false);
-    }
-    mbarrier_wait(&plan.k_full[stage_of(i)][1 - first], phase_of(i));
-    stamp(args, wg, i, first == 0 ? event_trace::kSRightLanded : event_trace::kSLeftLanded);
-    warpgroup_arrive();  // after the wait loop's branch, or ptxas serializes (C7520)
-    if (right_first) {
-      wgmma_k_steps<kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true);
-    } else {
-      wgmma_k_steps<kSteps - kLeftSteps>(mma_qk, tSrQ, tSrK, tSrS, true, kLeftSteps);
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) {
+      const int part = right_first ? 1 - n : n;
+      CUTE_UNROLL
+      for (int piece = 0; piece < Tr::kPiecesPerPart; ++piece) {
+        mbarrier_wait(&plan.k_full[stage_of(i)][part * Tr::kPiecesPerPart + piece], phase_of(i));
+        if (piece == Tr::kPiecesPerPart - 1) {
+          stamp(args, wg, i, part == 0 ? event_trace::kSLeftLanded : event_trace::kSRightLanded);
+        }
+        warpgroup_arrive();  // after every wait loop's branch, or ptxas serializes (C7520)
+        const int slab = part * decode_cfg::kLeftSlabs + piece * Tr::kSlabsPerBox;
+        wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, n + piece > 0, slab * kStepsPerSlab);
+        if (part == 1 && piece == 0) wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kRopeStep);
+      }
     }
     warpgroup_commit_batch();
   };
@@ -333,7 +341,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           if constexpr (Tr::kVNeedsTranspose) {
             // V^T_B's last reader (the last pair's P_B V_B,L) retired
             // before this pair's S_A did.
-            mbarrier_wait(&plan.k_full[stage_of(ib)][0], phase_of(ib));
+            wait_part(ib, 0);
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
             stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
@@ -376,7 +384,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if constexpr (Tr::kVNeedsTranspose) {
           // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
           // V^T_B,R by its P_B V_B,R, queued before S_B.
-          mbarrier_wait(&plan.k_full[stage_of(ia)][1], phase_of(ia));
+          wait_part(ia, 1);
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
           if (has_b) {
             warpgroup_wait<1>();

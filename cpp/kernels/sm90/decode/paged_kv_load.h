@@ -46,25 +46,43 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// The left (part 0: slabs 0-3, V channels 0-255) or right (part 1: slabs
-// 4-8) part of a page, each on its own full barrier, so the consumers can
-// start S on one part while the other lands and hand the parts back apart.
-// A part's four V slabs are one box of `slab_map`; the right part's RoPE slab
-// is one box of `map`.
+// Piece `piece` of a page's left (part 0: slabs 0-3, V channels 0-255) or
+// right (part 1: slabs 4-8) part: Traits::kSlabsPerBox slabs as one box of
+// `slab_map` on the piece's full barrier, and with the right part's first
+// piece its RoPE slab, one box of `map`.
+template <class Traits>
+__device__ __forceinline__ void load_kv_piece(const CUtensorMap* map, const CUtensorMap* slab_map, uint64_t* full_bar,
+                                              typename Traits::Element* slot, int head_k, int block, int part,
+                                              int piece) {
+  constexpr int kSlabBytes = config::kPageSize * Traits::kTmaBoxElems * int(sizeof(typename Traits::Element));
+  constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
+  constexpr int kRope = decode_cfg::kSlabs - 1;
+  const int first = part * decode_cfg::kLeftSlabs + piece * Traits::kSlabsPerBox;
+  const bool rope = part == 1 && piece == 0;
+  mbarrier_arrive_expect_tx(full_bar, uint32_t((Traits::kSlabsPerBox + (rope ? 1 : 0)) * kSlabBytes));
+  tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
+  if (rope) tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
+}
+
+// A page's part, so the consumers can start S on one part while the other
+// lands and hand the parts back apart: Traits::kPiecesPerPart pieces, each on
+// its own full barrier (part_full[piece]).
 template <class Traits>
 __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const CUtensorMap* slab_map,
-                                                  uint64_t* full_bar, typename Traits::Element* slot, int head_k,
+                                                  uint64_t* part_full, typename Traits::Element* slot, int head_k,
                                                   int block, int part) {
-  constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
   static_assert(decode_cfg::kSlabs == 2 * decode_cfg::kLeftSlabs + 1, "two V halves and the RoPE slab");
-  static_assert(Traits::kSlabsPerBox == decode_cfg::kLeftSlabs, "a V half per box of slab_map");
-  const int first = part == 0 ? 0 : decode_cfg::kLeftSlabs;
-  const int slabs = part == 0 ? decode_cfg::kLeftSlabs : decode_cfg::kSlabs - decode_cfg::kLeftSlabs;
-  mbarrier_arrive_expect_tx(full_bar, uint32_t(slabs * kSlabElems * sizeof(typename Traits::Element)));
-  tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
-  if (part == 1) {
-    constexpr int kRope = decode_cfg::kSlabs - 1;
-    tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
+  static_assert(Traits::kSlabsPerBox * Traits::kPiecesPerPart == decode_cfg::kLeftSlabs,
+                "a V half in kPiecesPerPart boxes of slab_map");
+  if constexpr (Traits::kPiecesPerPart == 1) {
+    load_kv_piece<Traits>(map, slab_map, part_full, slot, head_k, block, part, 0);
+  } else {
+    // Not unrolled: the producer runs on 24 registers, and the per-stage, per-part and per-piece addresses of an
+    // unrolled loop, hoisted out of its page loop, spill.
+#pragma unroll 1
+    for (int piece = 0; piece < Traits::kPiecesPerPart; ++piece) {
+      load_kv_piece<Traits>(map, slab_map, &part_full[piece], slot, head_k, block, part, piece);
+    }
   }
 }
 

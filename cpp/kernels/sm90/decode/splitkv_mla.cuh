@@ -202,7 +202,8 @@ struct SplitKvMlaKernel {
             const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part], plan.k[stage], head_k, block, part);
+            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
+                                  head_k, block, part);
           }
         }
         if (page == c.first_page()) issue_q();
@@ -390,7 +391,9 @@ struct SplitKvMlaKernel {
           if constexpr (Tr::kScaleGroups) {
             mbarrier_init(&full_barriers(plan, owner)[s], 1);
           } else {
-            for (int part = 0; part < 2; ++part) mbarrier_init(&full_barriers(plan, owner)[s][part], 1);
+            for (int piece = 0; piece < 2 * Tr::kPiecesPerPart; ++piece) {
+              mbarrier_init(&full_barriers(plan, owner)[s][piece], 1);
+            }
           }
         }
         if constexpr (Tr::kScaleGroups) {

@@ -111,8 +111,16 @@ struct Traits<config::KvFormat::kBf16> {
   static constexpr CUtensorMapDataType kTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
-  // make_slab_tensor_map: a page's V half (4 slabs) per box, over all 9 slabs.
-  static constexpr int kSlabsPerBox = decode_cfg::kLeftSlabs;
+  // A page part (V half) lands as two pieces of two slabs, each a box of
+  // make_slab_tensor_map on a full barrier of its own (the right part's RoPE
+  // slab with its first piece), so a page's S issues a piece's k-steps as
+  // soon as it lands. Session 25's traces: an S retired 16-20 k-steps
+  // (~300-600 ns) after its page's last part landed, and a part's TMA issue
+  // takes ~6 ns per KB, so the first half of a part lands ~100 ns earlier.
+  // Measured (sessions 29-30): C2 span ~4 % shorter; C1 and the loop figure
+  // unchanged. Four pieces of one slab (`pcs4`) were no faster.
+  static constexpr int kPiecesPerPart = 2;
+  static constexpr int kSlabsPerBox = decode_cfg::kLeftSlabs / kPiecesPerPart;
   static constexpr int kSlabMapSlabs = decode_cfg::kSlabs;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW128_Atom<Element>;
@@ -191,9 +199,10 @@ struct Traits<config::KvFormat::kBf16> {
     float ref_max[2][decode_cfg::kBlockM];
     // Partial row sums at the end of a chunk, per warpgroup.
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    // Per slot and part (0: slabs 0-3, 1: slabs 4-8): TMA landed
-    // (transaction barrier); the part's consumer WG (4 warps) is done with it.
-    alignas(8) uint64_t k_full[kNumStages][2];
+    // Per slot: TMA landed, per piece of each part (part * kPiecesPerPart +
+    // piece; transaction barriers); per part (0: slabs 0-3, 1: slabs 4-8),
+    // the part's consumer WG (4 warps) is done with it.
+    alignas(8) uint64_t k_full[kNumStages][2 * kPiecesPerPart];
     alignas(8) uint64_t k_empty[kNumStages][2];
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
@@ -237,7 +246,8 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // 64-byte boxes: 576-byte rows stream as fast through them as through
   // 128-byte ones (scripts/tma_stream_bench.cu, docs/PERF.md session 10).
   static constexpr int kTmaBoxElems = decode_cfg::kTmaBoxChannels;
-  static constexpr int kSlabsPerBox = decode_cfg::kLeftSlabs;  // as bf16's
+  static constexpr int kPiecesPerPart = 1;  // a part in one box on one full barrier
+  static constexpr int kSlabsPerBox = decode_cfg::kLeftSlabs;
   static constexpr int kSlabMapSlabs = decode_cfg::kSlabs;
   // WGMMA swizzle atom matching the TMA swizzle.
   using KAtom = cute::SM90::GMMA::Layout_K_SW64_Atom<Element>;
