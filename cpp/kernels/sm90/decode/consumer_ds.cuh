@@ -286,7 +286,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   auto issue_s_head = [&](int i) __attribute__((always_inline)) {
     const int st = i % Tr::kNumStages;
     stamp(args, wg, i, event_trace::kDsSlotWait);
-    mbarrier_wait(&plan.k_full[st][0], (i / Tr::kNumStages) & 1);  // RoPE and groups 0-1
+    mbarrier_wait(&plan.k_full[st], (i / Tr::kNumStages) & 1);
     stamp(args, wg, i, event_trace::kDsSlotLanded);
     Tensor tSrKN = k_nope(st);
     Tensor tSrKR = k_rope(st);
@@ -323,9 +323,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       stamp(args, wg, it, event_trace::kDsTop);
       const int stage = it % Tr::kNumStages;
       const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
-      // (The slot's first piece was waited for by issue_s_head; the second,
-      // groups 2-3, is waited for here: the transpose reads it.)
-      mbarrier_wait(&plan.k_full[stage][1], (it / Tr::kNumStages) & 1);
+      // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
       const uint32_t my_scales = ds_scale_addr(slot, tok_first);
       // The transpose while this page's S head (RoPE, group 0) and the last

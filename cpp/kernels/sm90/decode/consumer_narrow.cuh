@@ -167,8 +167,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
             local_tile(sQR, Shape<Int<kRows>, Int<Tr::kHeadDimRope>>{}, make_coord(0, 0)));
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tSrT);
-        mbarrier_wait(&plan.k_full[wg][stage][0], phase);
-        mbarrier_wait(&plan.k_full[wg][stage][1], phase);
+        mbarrier_wait(&plan.k_full[wg][stage], phase);
         warpgroup_arrive();
         wgmma_k_steps(mma_rope, tSrKR, tSrQR, tSrS, false);
         constexpr int kGroupSteps = Tr::kGroupChannels / 32;

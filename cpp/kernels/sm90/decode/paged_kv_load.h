@@ -86,21 +86,18 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const 
   }
 }
 
-// fp8_ds_mla (Traits<kFp8DsMla> has the slot plan), in two pieces on
-// full_bar[0] and full_bar[1]: NoPE slabs 0-1 as one box of `slab_map` with
-// the RoPE slab (cache map) and the scales (scale map), then slabs 2-3.
+// fp8_ds_mla (Traits<kFp8DsMla> has the slot plan): the four 128-byte NoPE
+// slabs as one box of `slab_map`, the RoPE slab through the cache map, the
+// scales through the scale map.
 template <class Traits>
 __device__ __forceinline__ void load_ds_page(const CUtensorMap* cache_map, const CUtensorMap* slab_map,
                                              const CUtensorMap* scale_map, uint64_t* full_bar,
                                              typename Traits::Element* slot, int head_k, int block) {
-  static_assert(Traits::kDsPieces == 2 && Traits::kSlabsPerBox * 2 == Traits::kNopeSlabs, "two NoPE boxes");
-  constexpr uint32_t kLateBytes = Traits::kSlabsPerBox * Traits::kNopeSlabBytes;
-  mbarrier_arrive_expect_tx(&full_bar[0], Traits::kKTileBytes - kLateBytes);
-  tma_load_5d(slab_map, &full_bar[0], slot, 0, 0, 0, head_k, block);
-  tma_load_4d(cache_map, &full_bar[0], slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block);
-  tma_load_4d(scale_map, &full_bar[0], slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block);
-  mbarrier_arrive_expect_tx(&full_bar[1], kLateBytes);
-  tma_load_5d(slab_map, &full_bar[1], slot + kLateBytes, 0, 0, Traits::kSlabsPerBox, head_k, block);
+  static_assert(Traits::kSlabsPerBox == Traits::kNopeSlabs, "the NoPE part in one box");
+  mbarrier_arrive_expect_tx(full_bar, Traits::kKTileBytes);
+  tma_load_5d(slab_map, full_bar, slot, 0, 0, 0, head_k, block);
+  tma_load_4d(cache_map, full_bar, slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block);
+  tma_load_4d(scale_map, full_bar, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block);
 }
 
 }  // namespace jax_flash_mla::sm90

@@ -193,7 +193,7 @@ struct SplitKvMlaKernel {
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
           stamp(args, 2, it, event_trace::kLeftIssued);
-          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, full, plan.k[stage], head_k, block);
+          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it;
           // with kBRightFirst the right part first for a pair's page B.
@@ -389,7 +389,7 @@ struct SplitKvMlaKernel {
       for (int s = 0; s < Tr::kNumStages; ++s) {
         for (int owner = 0; owner < (kNarrow ? decode_cfg::kNumConsumerWGs : 1); ++owner) {
           if constexpr (Tr::kScaleGroups) {
-            for (int piece = 0; piece < Tr::kDsPieces; ++piece) mbarrier_init(&full_barriers(plan, owner)[s][piece], 1);
+            mbarrier_init(&full_barriers(plan, owner)[s], 1);
           } else {
             for (int piece = 0; piece < 2 * Tr::kPiecesPerPart; ++piece) {
               mbarrier_init(&full_barriers(plan, owner)[s][piece], 1);

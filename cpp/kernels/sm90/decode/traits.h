@@ -394,12 +394,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // then the scales (64 tokens x 16 bytes).
   static constexpr int kNopeSlabBytes = decode_cfg::kBlockN * kTmaBoxElems;
   static constexpr int kNopeSlabs = kHeadDimNope / kTmaBoxElems;       // 4, bytes 0..511 of a token
-  // A slot lands as two pieces, each on a full barrier of its own: NoPE slabs 0-1 (groups 0 and 1) with the
-  // RoPE slab and the scales, then slabs 2-3. The next page's S head (RoPE, group 0) waits only for the first;
-  // session 15's trace had it wait ~50-60 ns a page for the whole slot.
-  static constexpr int kDsPieces = 2;
-  // make_slab_tensor_map: a piece's NoPE slabs in one box (the RoPE slab, at byte 528, is not slab-aligned).
-  static constexpr int kSlabsPerBox = kNopeSlabs / kDsPieces;
+  // make_slab_tensor_map: the NoPE slabs in one box (the RoPE slab, at byte 528, is not slab-aligned).
+  static constexpr int kSlabsPerBox = kNopeSlabs;
   static constexpr int kSlabMapSlabs = kNopeSlabs;
   static constexpr int kRopeOffset = kNopeSlabs * kNopeSlabBytes;      // 32768
   static constexpr int kScaleOffset = kRopeOffset + decode_cfg::kBlockN * kHeadDimRope * 2;  // 40960
@@ -449,7 +445,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     int row_lag[decode_cfg::kBlockM];
     float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
-    alignas(8) uint64_t k_full[kNumStages][kDsPieces];
+    alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
     // q by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with the tiles it fills.
     alignas(8) uint64_t q_full, q_empty;
@@ -539,7 +535,7 @@ struct NarrowTraits<config::KvFormat::kFp8DsMla> : Traits<config::KvFormat::kFp8
     float q_scale[decode_cfg::kBlockM];
     float col_max[decode_cfg::kNumConsumerWGs][2][4][narrow_cfg::kRows];
     alignas(16) Element zeros[16];
-    alignas(8) uint64_t k_full[decode_cfg::kNumConsumerWGs][kNumStages][kDsPieces];  // [WG taking the page][stage][piece]
+    alignas(8) uint64_t k_full[decode_cfg::kNumConsumerWGs][kNumStages];  // [WG taking the page][stage]
     alignas(8) uint64_t k_empty[kNumStages];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
