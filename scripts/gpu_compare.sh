@@ -15,7 +15,7 @@
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's
-# memory the pytest workers split, default 0.9; 0.8 on an 80 GB H100).
+# memory the pytest workers split, default 0.9; 0.85 with 8 workers on an 80 GB H100).
 # A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
 # in place of this checkout's; the others with this checkout's.
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
@@ -72,7 +72,8 @@ for i in "${!builds[@]}"; do
     k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
     read -r -a test_args <<< "${TEST_ARGS:-}"
     # The workers share TEST_MEM_TOTAL of the card (default 0.9). An H100's 80 GB at -n 15 and 0.9 left no room for
-    # the 15 CUDA contexts: every allocation failed (session 31); there 0.8 at -n 11 gives each ~5.8 GB.
+    # the 15 CUDA contexts: every allocation failed (session 31). -n 8 at 0.85 gives each the ~8.5 GB that -n 15
+    # gives on an H200 (where every test passes), with ~12 GB left for the contexts; not tried on an H100 yet.
     XLA_PYTHON_CLIENT_MEM_FRACTION=$("$PY" -c "print(round(${TEST_MEM_TOTAL:-0.9} / $workers, 3))") \
       JAX_FLASH_MLA_REQUIRE_GPU=1 \
       timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" \
