@@ -46,14 +46,13 @@ import jax
 import jax.numpy as jnp
 from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import quant, validation
 from .formats import HEAD_DIM_V
 from .primitives import decode_p, schedule
-from .primitives.base import _batch_sequentially, _no_derivative, sharding_free
+from .primitives.base import new_primitive, sharding_free
 
 __all__ = ["ReshardWarning", "decode", "write_kv_cache"]
 
@@ -281,14 +280,9 @@ def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementatio
     return mlir.lower_fun(fn, multiple_results=True)(sharding_free(ctx), *args)
 
 
-decode_spmd_p = Primitive("jax_flash_mla_partitioned_decode")
-decode_spmd_p.multiple_results = True
-decode_spmd_p.def_impl(functools.partial(dispatch.apply_primitive, decode_spmd_p))
+decode_spmd_p = new_primitive("jax_flash_mla_partitioned_decode", _decode_abstract, "jax_flash_mla decode")
 dispatch.prim_requires_devices_during_lowering.add(decode_spmd_p)  # lowers to custom_partitioning
-decode_spmd_p.def_abstract_eval(_decode_abstract)
 mlir.register_lowering(decode_spmd_p, _decode_lowering)
-batching.primitive_batchers[decode_spmd_p] = _batch_sequentially(decode_spmd_p)
-ad.primitive_jvps[decode_spmd_p] = _no_derivative("jax_flash_mla decode")
 
 
 def decode(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta=None, *, softmax_scale: float,
@@ -383,14 +377,9 @@ def _write_lowering(ctx, *args, kv_format, has_scale, has_layer):
     return mlir.lower_fun(fn, multiple_results=True)(sharding_free(ctx), *args)
 
 
-write_spmd_p = Primitive("jax_flash_mla_partitioned_write_kv_cache")
-write_spmd_p.multiple_results = True
-write_spmd_p.def_impl(functools.partial(dispatch.apply_primitive, write_spmd_p))
+write_spmd_p = new_primitive("jax_flash_mla_partitioned_write_kv_cache", _write_abstract, "jax_flash_mla write_kv_cache")
 dispatch.prim_requires_devices_during_lowering.add(write_spmd_p)  # lowers to custom_partitioning
-write_spmd_p.def_abstract_eval(_write_abstract)
 mlir.register_lowering(write_spmd_p, _write_lowering)
-batching.primitive_batchers[write_spmd_p] = _batch_sequentially(write_spmd_p)
-ad.primitive_jvps[write_spmd_p] = _no_derivative("jax_flash_mla write_kv_cache")
 
 
 def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=None, *, layer=None):

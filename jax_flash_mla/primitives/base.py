@@ -106,16 +106,25 @@ def _batch_sequentially(prim):
     return rule
 
 
+def new_primitive(name: str, abstract_eval, what: str) -> Primitive:
+    """A multiple-results primitive with eager dispatch, abstract evaluation, the sequential vmap rule and a jvp
+    that says `what` has no derivative; the caller registers its lowerings."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(abstract_eval)
+    batching.primitive_batchers[prim] = _batch_sequentially(prim)
+    ad.primitive_jvps[prim] = _no_derivative(what)
+    return prim
+
+
 def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_available) -> Primitive:
     """Defines a multiple-results primitive.
 
     reference_fn(*args, **params) and kernel_fn(*args, **params) are jnp-traceable functions returning a tuple;
     kernel_available(**params) -> bool says whether the FFI target exists for these params.
     """
-    prim = Primitive(name)
-    prim.multiple_results = True
-    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
-    prim.def_abstract_eval(abstract_eval)
+    prim = new_primitive(name, abstract_eval, name)
 
     def default_lowering(ctx, *args, **params):
         if params["implementation"] == "kernel":
@@ -136,6 +145,4 @@ def make_primitive(name: str, abstract_eval, reference_fn, kernel_fn, kernel_ava
 
     mlir.register_lowering(prim, default_lowering)
     mlir.register_lowering(prim, cuda_lowering, platform="cuda")
-    batching.primitive_batchers[prim] = _batch_sequentially(prim)
-    ad.primitive_jvps[prim] = _no_derivative(name)
     return prim
