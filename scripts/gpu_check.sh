@@ -14,7 +14,8 @@
 # Exit status: non-zero when any step failed.
 #
 # Environment (optional): PYTHON (default python3); PYTEST_ARGS (default: the GPU tests and the API tests; CI runs
-# the CPU suite); PYTEST_WORKERS (default 4; 1 runs pytest in this process); BENCH_ARGS (extra arguments of
+# the CPU suite); PYTEST_WORKERS (default from the card's memory,
+# scripts/gpu_test_share.py; 1 runs pytest in this process); BENCH_ARGS (extra arguments of
 # jax_flash_mla.bench); SERVING_ARGS (of scripts/gpu_serving_check.py);
 # CARRY_DIR (default .carry); SKIP_TESTS, SKIP_SANITIZE, SKIP_ACCURACY, SKIP_SERVING, SKIP_BENCH =1 to leave a step
 # out (one command may run 10 minutes at most: in one process the three formats' tests took ~10 min on the H200,
@@ -106,12 +107,12 @@ if [[ ${SKIP_TESTS:-0} == 1 ]]; then
   record pytest "skipped (SKIP_TESTS=1)"
 else
   read -r -a pytest_args <<< "${PYTEST_ARGS:--q -rP tests/test_decode_gpu.py tests/test_sched_meta.py tests/test_api.py}"
-  workers=${PYTEST_WORKERS:-4}
+  # Each worker is a JAX process: a share of the GPU's memory each instead of the default 75 % for the first.
+  read -r workers mem_fraction < <("$PY" scripts/gpu_test_share.py)
   worker_env=()
   if ((workers > 1)) && "$PY" -c "import xdist" 2> /dev/null; then
     pytest_args=(-n "$workers" "${pytest_args[@]}")
-    # Each worker is a JAX process: a share of the GPU's memory each instead of the default 75% for the first.
-    worker_env=(XLA_PYTHON_CLIENT_MEM_FRACTION="$("$PY" -c "print(round(0.9 / $workers, 3))")")
+    worker_env=(XLA_PYTHON_CLIENT_MEM_FRACTION="$mem_fraction")
   fi
   section "pytest ${pytest_args[*]}"
   t=$SECONDS

@@ -9,13 +9,14 @@
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
 # --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK =1 to leave a step out (the first build listed is taken as the
 # baseline: only benched); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke run, tests/gpu_sanitize.py, fails
-# or times out gets no further step); PYTEST_WORKERS (default 4); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
+# or times out gets no further step); PYTEST_WORKERS (default from the card: scripts/gpu_test_share.py, 15 on an H200,
+# 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
 # build's GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer
 # tools run per format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck");
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's
-# memory the pytest workers split, default 0.9; 0.85 with 8 workers on an 80 GB H100).
+# memory the pytest workers split; default from the card as well).
 # A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
 # in place of this checkout's; the others with this checkout's.
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
@@ -29,8 +30,9 @@ rm -rf "$logs" && mkdir -p "$logs"
 PY=${PYTHON:-python3}
 formats=${FORMATS:-bf16 fp8_per_tensor}
 read -r -a builds <<< "${BUILDS:-$(ls -d .carry_* 2> /dev/null | sed 's/^\.carry_//' | tr '\n' ' ')}"
-workers=${PYTEST_WORKERS:-4}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+read -r workers mem_fraction < <("$PY" scripts/gpu_test_share.py)
+echo "pytest: $workers workers, XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction each"
 declare -a summary=()
 # This checkout's package, restored before each build (a build may bring its own Python side).
 pristine=$logs/package_pristine
@@ -71,11 +73,7 @@ for i in "${!builds[@]}"; do
   if ((i > 0)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
     k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
     read -r -a test_args <<< "${TEST_ARGS:-}"
-    # The workers share TEST_MEM_TOTAL of the card (default 0.9). An H100's 80 GB at -n 15 and 0.9 left no room for
-    # the 15 CUDA contexts: every allocation failed (session 31). -n 8 at 0.85 gives each the ~8.5 GB that -n 15
-    # gives on an H200 (where every test passes), with ~12 GB left for the contexts; not tried on an H100 yet.
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$("$PY" -c "print(round(${TEST_MEM_TOTAL:-0.9} / $workers, 3))") \
-      JAX_FLASH_MLA_REQUIRE_GPU=1 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction JAX_FLASH_MLA_REQUIRE_GPU=1 \
       timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" \
       "${test_args[@]}" > "$logs/pytest_$name.log" 2>&1
     line+=" tests rc=$? ($(tail -1 "$logs/pytest_$name.log" | tr -d '=' | xargs));"
