@@ -40,7 +40,6 @@ class MBar:
 class State:
     def __init__(self, chunks):
         self.chunks = chunks
-        self.n_pages = sum(chunks)
         self.k_full = [[MBar(f"k_full{s}.{q}", 1) for q in range(2)] for s in range(STAGES)]
         self.k_empty = [[MBar(f"k_empty{s}.{q}", 4 if q == 0 else 8) for q in range(2)] for s in range(STAGES)]
         self.slot = [[None, None] for _ in range(STAGES)]  # page held by each part of each slot

@@ -23,9 +23,8 @@ import sys
 
 import numpy as np
 
-# Layout of the buffer (kernels/event_trace.h): stamps [cta][role][page][event], then (clock64, globaltimer) of
-# each CTA's producer at its start and end.
-ROLES = ("WG0", "WG1", "producer")
+# Layout of the buffer (kernels/event_trace.h): stamps [cta][role][page][event] (roles WG0, WG1, producer), then
+# (clock64, globaltimer) of each CTA's producer at its start and end.
 PAIR_EVENTS = ("top", "S retired", "A ready", "B ready", "PV_A retired", "end", "S left landed",
                "S right landed", "S waits", "stored")
 DS_EVENTS = ("top", "V^T done", "S head retired", "S retired", "max ready", "P ready", "end", "slot landed",
