@@ -88,6 +88,7 @@ ANCHORS_US = {
     "plain jnp bf16": {"M1": 2393, "C1": 3032, "C2": 3911},
 }
 ANCHOR_BATCH, ANCHOR_SEQLEN = 128, 8192
+ANCHOR_DEVICE = "H200"  # in jax's device_kind ("NVIDIA H200")
 README_CEILINGS = {"copy": 4243.0, "bf16_gemm": 708.0, "fp8_gemm": 1287.0}  # GB/s, TFLOPS, TFLOPS
 
 CSV_COLUMNS = ("shape", "format", "path", "batch", "seqlen_q", "heads_q", "heads_kv", "causal", "sum_seqlen_k",
@@ -417,6 +418,12 @@ class Progress:
         print(f"[bench {self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
 
 
+def anchors_apply(device_kind: str, batch: int, seqlen: int, quick: bool) -> bool:
+    """README §3's anchors were measured on an H200 at batch 128, s_k 8192: another card (an H100, the CPU) or
+    problem gets no speedups over them."""
+    return not quick and (batch, seqlen) == (ANCHOR_BATCH, ANCHOR_SEQLEN) and ANCHOR_DEVICE in device_kind
+
+
 def result_row(shape: Shape, kv_format, path, timing: Timing, lengths, ceilings: Ceilings, with_anchors: bool):
     """One CSV row: the timing, its rates, fractions of the ceilings, floor and speedups over README anchors."""
     us = timing.median_us
@@ -607,8 +614,7 @@ def main(argv=None):
     ceilings = measure_ceilings(copy_bytes=2**28 if args.quick else 2**31, gemm_size=1024 if args.quick else 8192,
                                 iters=iters, repeats=repeats)
     progress = Progress(len(args.shapes) * sum((f in usable) + (not args.skip_reference) for f in args.formats))
-    # README §3's anchors were measured at batch 128, s_k 8192.
-    anchors = not args.quick and (batch, seqlen) == (ANCHOR_BATCH, ANCHOR_SEQLEN)
+    anchors = anchors_apply(jax.devices()[0].device_kind, batch, seqlen, args.quick)
     trace_root = None if args.trace is None else output_path(args.trace, "bench_trace")
     rows = []
     for name in args.shapes:
@@ -628,8 +634,10 @@ def main(argv=None):
           f"loop, {repeats} loops; median (min-max) us per call" + ("; QUICK: smoke numbers" if args.quick else ""))
     print(f"ceilings: copy {_vs_readme(ceilings.copy_gbps, 'copy', 'GB/s')}; bf16 GEMM "
           f"{_vs_readme(ceilings.bf16_gemm_tflops, 'bf16_gemm', 'TFLOPS')}; fp8 GEMM {fp8}")
-    print("README §3 anchors (us, M1/C1/C2): " + "; ".join(
-        f"{label} {'/'.join(str(v) for v in by_shape.values())}" for label, by_shape in ANCHORS_US.items()))
+    print(f"README §3 anchors ({ANCHOR_DEVICE}, us, M1/C1/C2): " + "; ".join(
+        f"{label} {'/'.join(str(v) for v in by_shape.values())}" for label, by_shape in ANCHORS_US.items())
+        + ("" if anchors else f"; not compared here (they hold on an {ANCHOR_DEVICE} at batch {ANCHOR_BATCH}, "
+                              f"s_k {ANCHOR_SEQLEN})"))
     print("floor = max(bytes / copy, FLOPs / GEMM rate of the format: fp8 for fp8 formats when measured); "
           "fl/us = floor / time ('!' over 1: not a real measurement); xref = reference / kernel; xFlashMLA, xPR54 = "
           "anchor / time (> 1 is faster)")

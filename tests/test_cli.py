@@ -48,6 +48,17 @@ def test_bench_kernel_rows(tmp_path, monkeypatch):
     assert math.isnan(kernel["speedup_vs_flashmla_bf16"])  # anchors hold for batch 128, s_k 8192 only
 
 
+@pytest.mark.parametrize("device_kind, batch, seqlen, quick, applies", [
+    ("NVIDIA H200", 128, 8192, False, True),
+    ("NVIDIA H100 80GB HBM3", 128, 8192, False, False),  # README §3's figures are an H200's
+    ("cpu", 128, 8192, False, False),
+    ("NVIDIA H200", 64, 8192, False, False),
+    ("NVIDIA H200", 128, 8192, True, False),
+])
+def test_bench_compares_to_the_anchors_only_where_they_were_measured(device_kind, batch, seqlen, quick, applies):
+    assert bench.anchors_apply(device_kind, batch, seqlen, quick) is applies
+
+
 def test_bench_pause_idles_outside_the_timed_runs(monkeypatch):
     slept, sleep = [], bench.time.sleep
     monkeypatch.setattr(bench.time, "sleep", lambda s: (slept.append(s), sleep(s)))
