@@ -377,7 +377,8 @@ def _write_lowering(ctx, *args, kv_format, has_scale, has_layer):
     return mlir.lower_fun(fn, multiple_results=True)(sharding_free(ctx), *args)
 
 
-write_spmd_p = new_primitive("jax_flash_mla_partitioned_write_kv_cache", _write_abstract, "jax_flash_mla write_kv_cache")
+write_spmd_p = new_primitive("jax_flash_mla_partitioned_write_kv_cache", _write_abstract,
+                             "jax_flash_mla write_kv_cache")
 dispatch.prim_requires_devices_during_lowering.add(write_spmd_p)  # lowers to custom_partitioning
 mlir.register_lowering(write_spmd_p, _write_lowering)
 

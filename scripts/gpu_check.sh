@@ -14,9 +14,8 @@
 # Exit status: non-zero when any step failed.
 #
 # Environment (optional): PYTHON (default python3); PYTEST_ARGS (default: the GPU tests and the API tests; CI runs
-# the CPU suite); PYTEST_WORKERS (default from the card's memory,
-# scripts/gpu_test_share.py; 1 runs pytest in this process); BENCH_ARGS (extra arguments of
-# jax_flash_mla.bench); SERVING_ARGS (of scripts/gpu_serving_check.py);
+# the CPU suite); PYTEST_WORKERS (default from the card's memory, scripts/gpu_test_share.py; 1 runs pytest in this
+# process); BENCH_ARGS (extra arguments of jax_flash_mla.bench); SERVING_ARGS (of scripts/gpu_serving_check.py);
 # CARRY_DIR (default .carry); SKIP_TESTS, SKIP_SANITIZE, SKIP_ACCURACY, SKIP_SERVING, SKIP_BENCH =1 to leave a step
 # out (one command may run 10 minutes at most: in one process the three formats' tests took ~10 min on the H200,
 # the bench ~1 min without the reference, ~3 min with it; split them over calls on the warm machine).

@@ -9,10 +9,10 @@
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
 # --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK =1 to leave a step out (the first build listed is taken as the
 # baseline: only benched); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke run, tests/gpu_sanitize.py, fails
-# or times out gets no further step); PYTEST_WORKERS (default from the card: scripts/gpu_test_share.py, 15 on an H200,
-# 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one
-# build's GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer
-# tools run per format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck");
+# or times out gets no further step); PYTEST_WORKERS (default from the card: scripts/gpu_test_share.py, 15 on an
+# H200, 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's run of a
+# sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer tools run per format when SKIP_RACECHECK is
+# not 1, default "racecheck", e.g. "racecheck synccheck");
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's
