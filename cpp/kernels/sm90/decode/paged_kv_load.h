@@ -54,8 +54,8 @@ template <class Traits>
 __device__ __forceinline__ void load_kv_piece(const CUtensorMap* map, const CUtensorMap* slab_map, uint64_t* full_bar,
                                               typename Traits::Element* slot, int head_k, int block, int part,
                                               int piece) {
-  constexpr int kSlabBytes = config::kPageSize * Traits::kTmaBoxElems * int(sizeof(typename Traits::Element));
   constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
+  constexpr int kSlabBytes = kSlabElems * int(sizeof(typename Traits::Element));
   constexpr int kRope = decode_cfg::kSlabs - 1;
   const int first = part * decode_cfg::kLeftSlabs + piece * Traits::kSlabsPerBox;
   const bool rope = part == 1 && piece == 0;
