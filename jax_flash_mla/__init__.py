@@ -85,7 +85,10 @@ def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: i
                         ("num_sms", 1 if num_sms is None else num_sms)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive Python int, got {value!r}")
-    meta, splits = schedule(jnp.asarray(cache_seqlens), int(num_q_tokens_per_head_k), int(num_heads_k),
+    cache_seqlens = jnp.asarray(cache_seqlens)
+    if not _is_tracer(cache_seqlens) and cache_seqlens.size and int(cache_seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got min {int(cache_seqlens.min())}")
+    meta, splits = schedule(cache_seqlens, int(num_q_tokens_per_head_k), int(num_heads_k),
                             num_sms=_default_num_sms() if num_sms is None else int(num_sms),
                             implementation=resolve_implementation(implementation))
     return MlaMetadata(meta, splits)
@@ -126,19 +129,13 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       +inf, with out = 0, for a query row that sees no key).
     """
     kv_format = formats.check_kv_format(kv_format)
-    validation.check_decode_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
-                                 descale_q=descale_q, descale_k=descale_k, head_dim_v=head_dim_v)
+    q, k_cache, block_table, cache_seqlens = map(validation.as_array, (q, k_cache, block_table, cache_seqlens))
+    descale_q, descale_k = map(validation.as_descale, (descale_q, descale_k))
     if softmax_scale is None:
         softmax_scale = HEAD_DIM_QK ** -0.5
-    if _is_tracer(softmax_scale) or not np.isfinite(float(softmax_scale)) or float(softmax_scale) <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite Python float (static), got {softmax_scale!r}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a Python bool (static), got {type(causal).__name__}")
-    if not (_is_tracer(block_table) or _is_tracer(cache_seqlens)):
-        validation.check_concrete_values(block_table, cache_seqlens, k_cache.shape[0])
-    for name, descale in (("descale_q", descale_q), ("descale_k", descale_k)):
-        if descale is not None:
-            validation.check_positive_scale_value(name, descale)
+    softmax_scale = validation.check_call_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
+                                               descale_q=descale_q, descale_k=descale_k, head_dim_v=head_dim_v,
+                                               softmax_scale=softmax_scale, causal=causal)
 
     b = q.shape[0]
     implementation = resolve_implementation(implementation)
@@ -172,6 +169,6 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         q, k_cache, block_table, cache_seqlens,
         _as_descale(descale_q) if descale_q is not None else ones,
         _as_descale(descale_k) if descale_k is not None else ones, meta,
-        softmax_scale=float(softmax_scale), causal=bool(causal), kv_format=kv_format, implementation=implementation,
+        softmax_scale=softmax_scale, causal=bool(causal), kv_format=kv_format, implementation=implementation,
         num_sms=_default_num_sms())
     return out, lse

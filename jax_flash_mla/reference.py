@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash_mla import formats, validation
 from jax_flash_mla.formats import HEAD_DIM_QK, HEAD_DIM_V, PAGE_SIZE
 from jax_flash_mla.quant import dequantize_kv_cache
 
@@ -61,7 +62,23 @@ def mla_decode_reference(
 
     ``chunk_tokens`` (a multiple of 64) sets how many keys of every sequence one step of the online softmax takes;
     by default as many as keep that step's float32 scratch near CHUNK_BYTES (all of them when they fit).
+
+    Arguments are checked as by ``flash_mla_with_kvcache``: shapes and dtypes always, lengths, block ids and
+    descales when concrete (outside jit).
     """
+    kv_format = formats.check_kv_format(kv_format)
+    q, k_cache, block_table, cache_seqlens = map(validation.as_array, (q, k_cache, block_table, cache_seqlens))
+    descale_q, descale_k = map(validation.as_descale, (descale_q, descale_k))
+    softmax_scale = validation.check_call_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
+                                               descale_q=descale_q, descale_k=descale_k,
+                                               softmax_scale=softmax_scale, causal=causal)
+    return decode(q, k_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=causal,
+                  kv_format=kv_format, descale_q=descale_q, descale_k=descale_k, chunk_tokens=chunk_tokens)
+
+
+def decode(q, k_cache, block_table, cache_seqlens, *, softmax_scale, causal, kv_format, descale_q=None,
+           descale_k=None, chunk_tokens=None):
+    """mla_decode_reference without its argument checks (the primitive's abstract evaluation made them)."""
     b, s_q, h_q, _ = q.shape
     num_blocks, _, h_kv, _ = k_cache.shape
     group = h_q // h_kv
@@ -117,7 +134,7 @@ def mla_decode_reference(
              jnp.zeros(stats_shape + (HEAD_DIM_V,), jnp.float32))
     if num_chunks == 1:
         carry, _ = attend_chunk(carry, 0)
-    elif num_chunks > 1:  # (none for a table without columns: every row sees nothing)
+    else:
         carry, _ = jax.lax.scan(attend_chunk, carry, jnp.arange(num_chunks))
     row_max, denom, acc = carry
     seen = denom > 0

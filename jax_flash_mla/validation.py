@@ -21,6 +21,18 @@ def _dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
+def as_array(x):
+    """Lists and tuples become arrays (Python ints as int32); arrays, numpy arrays and tracers pass unchanged."""
+    return x if hasattr(x, "dtype") else jnp.asarray(x)
+
+
+def as_descale(x):
+    """A descale given as a Python number becomes a float32 scalar; None and arrays pass unchanged."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return jnp.float32(x)
+    return None if x is None else as_array(x)
+
+
 def check_rank(name: str, x, rank: int, layout: str) -> None:
     if np.ndim(x) != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(np.shape(x))}")
@@ -68,8 +80,8 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, *, kv_format, desc
                       head_dim_v: int = formats.HEAD_DIM_V) -> None:
     """Shape/dtype contract of flash_mla_with_kvcache (shared README §1-§2)."""
     formats.check_kv_format(kv_format)
-    if head_dim_v != formats.HEAD_DIM_V:
-        raise ValueError(f"head_dim_v must be {formats.HEAD_DIM_V} (V is the 512-channel latent), got {head_dim_v}")
+    if isinstance(head_dim_v, bool) or head_dim_v != formats.HEAD_DIM_V:
+        raise ValueError(f"head_dim_v must be {formats.HEAD_DIM_V} (V is the 512-channel latent), got {head_dim_v!r}")
     check_rank("q", q, 4, "[batch, seqlen_q, num_heads_q, 576]")
     b, s_q, h_q, d = q.shape
     if d != formats.HEAD_DIM_QK:
@@ -98,6 +110,29 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, *, kv_format, desc
         for name, value in (("descale_q", descale_q), ("descale_k", descale_k)):
             if value is not None:
                 raise ValueError(f"{name} is only used with kv_format='fp8_per_tensor', got it with {kv_format!r}")
+
+
+def check_call_args(q, k_cache, block_table, cache_seqlens, *, kv_format, descale_q, descale_k, softmax_scale,
+                    causal, head_dim_v: int = formats.HEAD_DIM_V) -> float:
+    """Every check of a decode call (kernel or reference) that does not involve the metadata: shapes and dtypes
+    always, lengths, block ids and descales when concrete. Returns softmax_scale as a float."""
+    check_decode_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format, descale_q=descale_q,
+                      descale_k=descale_k, head_dim_v=head_dim_v)
+    try:
+        static = not isinstance(softmax_scale, (jax.core.Tracer, str, bytes))
+        scale = float(softmax_scale) if static else None
+    except (TypeError, ValueError):
+        scale = None
+    if scale is None or not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite Python float (static), got {softmax_scale!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a Python bool (static), got {type(causal).__name__}")
+    if not any(isinstance(x, jax.core.Tracer) for x in (block_table, cache_seqlens)):
+        check_concrete_values(block_table, cache_seqlens, k_cache.shape[0])
+    for name, descale in (("descale_q", descale_q), ("descale_k", descale_k)):
+        if descale is not None:
+            check_positive_scale_value(name, descale)
+    return scale
 
 
 def check_sched_meta(sched_meta, num_splits, batch: int) -> None:

@@ -59,12 +59,43 @@ def replace(kind="bf16", **changes):
     (dict(block_table=jnp.array([[0, 1, 99], [2, 3, 4]], jnp.int32)), ValueError, r"block_table\[0, 2\] = 99"),
     (dict(descale_q=jnp.float32(1)), ValueError, "descale_q is only used with kv_format='fp8_per_tensor'"),
     (dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive finite"),
+    (dict(softmax_scale="0.1"), ValueError, "softmax_scale must be a positive finite Python float .* got '0.1'"),
+    (dict(head_dim_v="512"), ValueError, "head_dim_v must be 512 .* got '512'"),
     (dict(causal=1), TypeError, "causal must be a Python bool"),
     (dict(implementation="fast"), ValueError, "implementation must be one of"),
 ])
 def test_bad_arguments_raise_naming_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         call(**replace(**changes))
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(q=jnp.zeros((2, 1, 4, 500), jnp.bfloat16)), ValueError, "q last dim must be 576"),
+    (dict(k_cache=jnp.zeros((6, 64, 1, 576), jnp.float16)), TypeError, "k_cache must have dtype bfloat16"),
+    (dict(cache_seqlens=jnp.array([-1, 1], jnp.int32)), ValueError, "cache_seqlens must lie in"),
+    (dict(block_table=jnp.array([[0, 1, 99], [2, 3, 4]], jnp.int32)), ValueError, r"block_table\[0, 2\] = 99"),
+    (dict(kv_format="fp16"), ValueError, "kv_format must be one of"),
+    (dict(descale_k=jnp.float32(1)), ValueError, "descale_k is only used with kv_format='fp8_per_tensor'"),
+])
+def test_reference_checks_its_arguments_as_the_decode_does(changes, error, match):
+    kw = replace(**changes)
+    with pytest.raises(error, match=match):
+        fm.mla_decode_reference(**kw, softmax_scale=576 ** -0.5, causal=False)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_per_tensor"])
+def test_python_lists_and_numbers_are_accepted(kv_format):
+    """Lengths, block tables and descales may come as Python lists and numbers, as from a serving loop's host
+    state; they mean the same as the int32 / float32 arrays."""
+    kw = inputs(kv_format)
+    want = call(**kw)
+    loose = dict(kw, block_table=np.asarray(kw["block_table"]).tolist(),
+                 cache_seqlens=np.asarray(kw["cache_seqlens"]).tolist())
+    if kv_format == "fp8_per_tensor":
+        loose.update(descale_q=1, descale_k=0.5)
+    for fn in (call, lambda **k: fm.mla_decode_reference(**k, softmax_scale=576 ** -0.5, causal=False)):
+        for a, b in zip(want, fn(**loose)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_unused_block_table_entries_may_be_garbage():
@@ -94,6 +125,8 @@ def test_metadata_errors():
     for num_sms in (0, True, 2.0):
         with pytest.raises(ValueError, match=f"num_sms must be a positive Python int, got {num_sms!r}"):
             fm.get_mla_metadata(kw["cache_seqlens"], 4, 1, num_sms=num_sms)
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0, got min -3"):
+        fm.get_mla_metadata(jnp.array([5, -3], jnp.int32), 4, 1)
     meta = fm.get_mla_metadata(jnp.array([5, 6, 7], jnp.int32), 4, 1)
     with pytest.raises(ValueError, match=r"num_splits must have shape \[3\]"):
         call(**kw, tile_scheduler_metadata=meta)

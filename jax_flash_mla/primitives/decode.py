@@ -31,7 +31,7 @@ def _abstract(q, k_cache, block_table, cache_seqlens, sched_meta, num_splits, de
 def _reference(q, k_cache, block_table, cache_seqlens, sched_meta, num_splits, descale_q, descale_k, *,
                softmax_scale, causal, kv_format, implementation):
     per_tensor = kv_format == "fp8_per_tensor"
-    return tuple(reference.mla_decode_reference(
+    return tuple(reference.decode(
         q, k_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=causal, kv_format=kv_format,
         descale_q=descale_q if per_tensor else None, descale_k=descale_k if per_tensor else None))
 
