@@ -3,7 +3,7 @@ one cache".) Builds a one-function XLA FFI target for the CPU (g++ and jaxlib's 
 layers that writes a token and hands the cache to the target, in both layouts, and prints what the compiled HLO
 makes for the target's operand:
 
-    JAX_PLATFORMS=cpu python scripts/stacked_cache_copy.py
+    python scripts/stacked_cache_copy.py
 
 Stacked `[layers, num_blocks, ...]`: the operand is a dynamic-slice fusion, i.e. a copy of one layer's cache per
 layer and step. Page-major `[num_blocks * layers, ...]`: the operand is the scan's carried buffer, updated in place.
@@ -19,6 +19,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SOURCE = r"""
 #include "xla/ffi/api/ffi.h"
@@ -65,16 +66,26 @@ def page_major_step(cache, new):
     return jax.lax.scan(layer, cache, (jnp.arange(LAYERS), new))
 
 
+LAYOUTS = {"stacked": (stacked_step, (LAYERS, BLOCKS) + ROW),
+           "page-major": (page_major_step, (BLOCKS * LAYERS,) + ROW)}
+
+
+def operand(layout: str):
+    """(name, shape text) of the instruction that feeds the custom call in the layout's compiled step."""
+    step, shape = LAYOUTS[layout]
+    cpu = jax.devices("cpu")[0]  # the target is registered for the CPU (on a GPU machine too)
+    cache = jax.device_put(np.zeros(shape, np.uint8), cpu)
+    new = jax.device_put(np.ones((LAYERS,) + ROW[1:], np.uint8), cpu)
+    hlo = jax.jit(step, donate_argnums=0).lower(cache, new).compile().as_text()
+    call = re.search(r"custom-call\((%[\w.-]+)\), custom_call_target=\"byte_sum\"", hlo).group(1)
+    return call, re.search(re.escape(call) + r" = (\w+\[[\d,]*\])", hlo).group(1)
+
+
 def main() -> None:
     build_target()
-    new = jnp.ones((LAYERS,) + ROW[1:], jnp.uint8)
-    for name, step, shape in (("stacked", stacked_step, (LAYERS, BLOCKS) + ROW),
-                              ("page-major", page_major_step, (BLOCKS * LAYERS,) + ROW)):
-        hlo = jax.jit(step, donate_argnums=0).lower(jnp.zeros(shape, jnp.uint8), new).compile().as_text()
-        call = re.search(r"custom-call\((%[\w.-]+)\), custom_call_target=\"byte_sum\"", hlo).group(1)
-        producer = re.search(re.escape(call) + r" = (\S+) (\S+?)\(", hlo)
-        print(f"{name:<11} cache {shape}: the custom call's operand {call} = {producer.group(2)} "
-              f"of shape {producer.group(1)}")
+    for layout, (_, shape) in LAYOUTS.items():
+        name, operand_shape = operand(layout)
+        print(f"{layout:<11} cache {shape}: the custom call's operand {name} of shape {operand_shape}")
 
 
 if __name__ == "__main__":

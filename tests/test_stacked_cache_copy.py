@@ -1,0 +1,31 @@
+"""The README's advice on a model's layers (one page-major cache), checked on XLA:CPU with a test FFI target
+(scripts/stacked_cache_copy.py): a custom call reading `cache[l]` of a layer-stacked cache under lax.scan gets a
+copy of that layer, while the page-major cache reaches it as the scan's carried buffer."""
+
+import importlib.util
+import pathlib
+import shutil
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "stacked_cache_copy", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "stacked_cache_copy.py")
+stacked_cache_copy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stacked_cache_copy)
+
+
+@pytest.fixture(scope="module")
+def target():
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build the test FFI target")
+    stacked_cache_copy.build_target()
+
+
+def test_stacked_layer_reaches_the_custom_call_as_a_copy(target):
+    name, shape = stacked_cache_copy.operand("stacked")
+    assert "dynamic-slice" in name and shape.endswith("[512,64,1,656]")  # one layer, materialized
+
+
+def test_page_major_cache_reaches_the_custom_call_whole(target):
+    name, shape = stacked_cache_copy.operand("page-major")
+    assert "dynamic-slice" not in name.replace("dynamic-update-slice", "") and shape.endswith("[2048,64,1,656]")
