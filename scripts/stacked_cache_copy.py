@@ -7,6 +7,8 @@ makes for the target's operand:
 
 Stacked `[layers, num_blocks, ...]`: the operand is a dynamic-slice fusion, i.e. a copy of one layer's cache per
 layer and step. Page-major `[num_blocks * layers, ...]`: the operand is the scan's carried buffer, updated in place.
+Where a Hopper kernel is usable it does the same with the bf16 decode itself on the GPU (XLA:GPU compiles it),
+reporting what feeds the kernel's k_cache operand.
 """
 
 from __future__ import annotations
@@ -70,15 +72,51 @@ LAYOUTS = {"stacked": (stacked_step, (LAYERS, BLOCKS) + ROW),
            "page-major": (page_major_step, (BLOCKS * LAYERS,) + ROW)}
 
 
+def producer(hlo: str, target: str, index: int):
+    """(name, shape text) of the instruction that feeds operand `index` of the custom call to `target`."""
+    operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + re.escape(target) + "\"", hlo).group(1)
+    name = re.findall(r"%[\w.-]+", operands)[index]
+    return name, re.search(re.escape(name) + r" = (\w+\[[\d,]*\])", hlo).group(1)
+
+
 def operand(layout: str):
-    """(name, shape text) of the instruction that feeds the custom call in the layout's compiled step."""
+    """What feeds the test target in the layout's compiled step on the CPU."""
     step, shape = LAYOUTS[layout]
     cpu = jax.devices("cpu")[0]  # the target is registered for the CPU (on a GPU machine too)
     cache = jax.device_put(np.zeros(shape, np.uint8), cpu)
     new = jax.device_put(np.ones((LAYERS,) + ROW[1:], np.uint8), cpu)
-    hlo = jax.jit(step, donate_argnums=0).lower(cache, new).compile().as_text()
-    call = re.search(r"custom-call\((%[\w.-]+)\), custom_call_target=\"byte_sum\"", hlo).group(1)
-    return call, re.search(re.escape(call) + r" = (\w+\[[\d,]*\])", hlo).group(1)
+    return producer(jax.jit(step, donate_argnums=0).lower(cache, new).compile().as_text(), "byte_sum", 0)
+
+
+def decode_operand(layout: str):
+    """What feeds the bf16 decode kernel's k_cache in the layout's compiled step (a scan that writes a token into
+    each layer's cache and attends over it), compiled for the default device."""
+    import jax_flash_mla as fm
+    from jax_flash_mla import _ffi
+
+    blocks, b, h_q = 64, 4, 16
+    table = jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)
+    seqlens = jnp.full((b,), 100, jnp.int32)
+    q = jnp.ones((LAYERS, b, 1, h_q, 576), jnp.bfloat16)
+    new = jnp.ones((LAYERS, b, 1, 1, 576), jnp.bfloat16)
+    meta = fm.get_mla_metadata(seqlens, h_q, 1)
+
+    def step(cache):
+        def layer(c, xs):
+            l, q_l, kv = xs
+            rows = table if layout == "stacked" else table * LAYERS + l
+            if layout == "stacked":
+                c = fm.write_kv_cache(c, kv, rows, seqlens[:, None] - 1, "bf16", layer=l)
+                layer_cache = c[l]
+            else:
+                c = layer_cache = fm.write_kv_cache(c, kv, rows, seqlens[:, None] - 1, "bf16")
+            out, _ = fm.flash_mla_with_kvcache(q_l, layer_cache, rows, seqlens, 512, meta, implementation="kernel")
+            return c, out
+        return jax.lax.scan(layer, cache, (jnp.arange(LAYERS), q, new))
+
+    shape = (LAYERS, blocks, 64, 1, 576) if layout == "stacked" else (blocks * LAYERS, 64, 1, 576)
+    hlo = jax.jit(step, donate_argnums=0).lower(jnp.zeros(shape, jnp.bfloat16)).compile().as_text()
+    return producer(hlo, _ffi.decode_target("bf16"), 1)
 
 
 def main() -> None:
@@ -86,6 +124,12 @@ def main() -> None:
     for layout, (_, shape) in LAYOUTS.items():
         name, operand_shape = operand(layout)
         print(f"{layout:<11} cache {shape}: the custom call's operand {name} of shape {operand_shape}")
+    from jax_flash_mla import kernel_formats
+    if "bf16" in kernel_formats():
+        for layout in LAYOUTS:
+            name, operand_shape = decode_operand(layout)
+            print(f"{layout:<11} bf16 decode on {jax.devices()[0].device_kind}: k_cache is {name} of shape "
+                  f"{operand_shape}")
 
 
 if __name__ == "__main__":
