@@ -101,7 +101,7 @@ def _as_descale(x):
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int = HEAD_DIM_V,
                            tile_scheduler_metadata=None, num_splits=None, softmax_scale: Optional[float] = None,
                            causal: bool = False, kv_format: str = "bf16", descale_q=None, descale_k=None, *,
-                           implementation: str = "auto"):
+                           layer=None, implementation: str = "auto"):
     """MLA decode attention over a paged latent cache.
 
     Args:
@@ -121,6 +121,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       kv_format: "bf16", "fp8_per_tensor" or "fp8_ds_mla".
       descale_q, descale_k: float32 scalars ([] or [1]), "fp8_per_tensor" only: logits are scaled by
         softmax_scale * descale_q * descale_k, the output by descale_k.
+      layer: with it (an int scalar, may be traced), k_cache is the stack of every layer's cache [num_layers,
+        num_blocks, 64, num_heads_k, d] and the decode reads k_cache[layer] in place, with the block ids of that
+        layer's cache (under lax.scan over layers, `k_cache[layer]` would hand the kernel a copy of the layer).
       implementation: "auto" (kernel on sm_90, reference elsewhere; JAX_FLASH_MLA_FORCE_REFERENCE=1 forces the
         reference), "kernel" or "reference".
 
@@ -131,9 +134,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     kv_format = formats.check_kv_format(kv_format)
     q, k_cache, block_table, cache_seqlens = map(validation.as_array, (q, k_cache, block_table, cache_seqlens))
     descale_q, descale_k = map(validation.as_descale, (descale_q, descale_k))
+    layer, layer_cache = validation.check_layer(layer, k_cache)
     if softmax_scale is None:
         softmax_scale = HEAD_DIM_QK ** -0.5
-    softmax_scale = validation.check_call_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
+    softmax_scale = validation.check_call_args(q, layer_cache, block_table, cache_seqlens, kv_format=kv_format,
                                                descale_q=descale_q, descale_k=descale_k, head_dim_v=head_dim_v,
                                                softmax_scale=softmax_scale, causal=causal)
 
@@ -168,7 +172,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     out, lse = sharding.decode(
         q, k_cache, block_table, cache_seqlens,
         _as_descale(descale_q) if descale_q is not None else ones,
-        _as_descale(descale_k) if descale_k is not None else ones, meta,
+        _as_descale(descale_k) if descale_k is not None else ones, meta, layer,
         softmax_scale=softmax_scale, causal=bool(causal), kv_format=kv_format, implementation=implementation,
         num_sms=_default_num_sms())
     return out, lse

@@ -86,9 +86,8 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     With ``layer`` (an int scalar, may be traced), cache is the stack of every layer's cache ``[num_layers, num_blocks,
     64, h_kv, d]`` and the tokens go to ``cache[layer]`` (nowhere if layer is outside ``[0, num_layers)``). Inside a
     ``lax.scan`` over layers, carry the stack and pass the layer index: writing ``cache[layer]`` and setting it back
-    would copy that layer's cache twice per step. The decode still reads ``cache[layer]`` as a copy; a page-major
-    cache ``[num_blocks * layers, ...]`` with ``block_table * layers + layer`` avoids every copy (README, "A model's
-    layers in one cache").
+    would copy that layer's cache twice per step. Pass the same ``layer`` to ``flash_mla_with_kvcache``, which then
+    reads the stack in place too (``cache[layer]`` would hand it a copy: README, "A model's layers in one cache").
     """
     kv_format = check_kv_format(kv_format)
     cache, new_kv, block_table, positions = map(jnp.asarray, (cache, new_kv, block_table, positions))

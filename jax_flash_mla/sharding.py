@@ -22,9 +22,11 @@ batch and head counts change `num_sm_parts` and `num_splits`. A metadata passed 
 decode is not split at all (batch and heads unsharded); otherwise it is ignored (and XLA removes its computation).
 
 Everything else is resharded with a `ReshardWarning` naming the operand, dimension and mesh axes (this costs
-communication): sharding over the 576 / 512 / page-slot dims, over seqlen_q, a cache sharded over num_blocks while
-the batch is not (pages of one sequence on several devices: the cache is all-gathered, block ids are global), a
-cache h_kv sharding that does not follow the q heads, a batch or head count the mesh axes do not divide. These are
+communication): sharding over the 576 / 512 / page-slot dims, over seqlen_q, over a stacked cache's layers (with
+`layer=` the cache is [num_layers, num_blocks, ...] and the rules above apply to its dims 1-4), a cache sharded over
+num_blocks while the batch is not (pages of one sequence on several devices: the cache is all-gathered, block ids
+are global), a cache h_kv sharding that does not follow the q heads, a batch or head count the mesh axes do not
+divide. These are
 errors (a ValueError raised while XLA compiles, so it reaches the caller wrapped in XLA's runtime error): the cache
 sharded over num_blocks on mesh axes other than the batch's (whether block ids are local or global would be a guess),
 and page pools that do not divide num_blocks or the batch.
@@ -163,14 +165,15 @@ _CACHE_DIMS = ("num_blocks", "page slot", "num_heads_k", "last dim")
 
 def _decode_plan(mesh, arg_shapes, use_given_meta: bool):
     """Returns (arg shardings, result shardings, plan, meta usable) for the decode operands."""
-    q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta = arg_shapes
+    q, k_cache, block_table, cache_seqlens, descale_q, descale_k, layer, meta = arg_shapes
     b, _, h_q, _ = q.shape
-    num_blocks, _, h_kv, _ = k_cache.shape
+    lead = k_cache.ndim - 4  # 1 with layer=: k_cache [num_layers, num_blocks, 64, h_kv, d]
+    num_blocks, _, h_kv, _ = k_cache.shape[lead:]
     plan = _Plan("flash_mla_with_kvcache")
     q_have = _dims(q.sharding, 4)
-    k_have = _dims(k_cache.sharding, 4)
+    k_have = _dims(k_cache.sharding, k_cache.ndim)
     batch, heads = q_have[0], q_have[2]
-    pool = k_have[0]
+    pool = k_have[lead]
     if batch and b % _size(mesh, batch):
         if pool:
             _raise(plan.op, f"batch {b} (q dim 0) is not divisible by the {_size(mesh, batch)} shards of mesh "
@@ -178,14 +181,14 @@ def _decode_plan(mesh, arg_shapes, use_given_meta: bool):
         batch = ()  # replicated below (noted as a reshard)
     if heads and (h_q % _size(mesh, heads) or (h_kv > 1 and h_kv % _size(mesh, heads))):
         heads = ()  # the KV heads cannot follow: replicate the q heads
-    kv_heads = k_have[2]
+    kv_heads = k_have[lead + 2]
     if not heads and h_kv > 1 and kv_heads and h_kv % _size(mesh, kv_heads) == 0 \
             and not set(kv_heads) & set(batch):
         heads = kv_heads  # q follows a cache sharded over its KV heads: slicing q is free
 
     if pool and pool != batch:
         if batch:
-            _raise(plan.op, f"k_cache dim 0 (num_blocks) is sharded over mesh axes {_fmt(pool)} but the batch "
+            _raise(plan.op, f"k_cache dim {lead} (num_blocks) is sharded over mesh axes {_fmt(pool)} but the batch "
                             f"(q, block_table, cache_seqlens dim 0) over {_fmt(batch)}. Shard both over the same "
                             "axes (one page pool per batch shard, block ids local to the pool), or replicate the "
                             "cache's num_blocks (block ids global).")
@@ -193,21 +196,23 @@ def _decode_plan(mesh, arg_shapes, use_given_meta: bool):
     else:
         pool_target = pool
     if pool_target and num_blocks % _size(mesh, pool_target):
-        _raise(plan.op, f"num_blocks {num_blocks} (k_cache dim 0) is not divisible into {_size(mesh, pool_target)} "
-                        f"page pools over mesh axes {_fmt(pool_target)}")
+        _raise(plan.op, f"num_blocks {num_blocks} (k_cache dim {lead}) is not divisible into "
+                        f"{_size(mesh, pool_target)} page pools over mesh axes {_fmt(pool_target)}")
 
     kv_heads_target = heads if h_kv > 1 else ()
     if kv_heads_target and not kv_heads:
-        plan.notes.append(f"k_cache dim 2 (num_heads_k) replicated -> sliced over {_fmt(kv_heads_target)} "
+        plan.notes.append(f"k_cache dim {lead + 2} (num_heads_k) replicated -> sliced over {_fmt(kv_heads_target)} "
                           "(a copy of the cache slice on every call; shard the cache over num_heads_k like q)")
     shardings = [
         plan.want("q", _Q_DIMS, q_have, [batch, (), heads, ()]),
-        plan.want("k_cache", _CACHE_DIMS, k_have, [pool_target, (), kv_heads_target, ()]),
+        plan.want("k_cache", ("num_layers",) * lead + _CACHE_DIMS, k_have,
+                  [()] * lead + [pool_target, (), kv_heads_target, ()]),
         plan.want("block_table", ("batch", "max_blocks"), _dims(block_table.sharding, 2), [batch, ()]),
         plan.want("cache_seqlens", ("batch",), _dims(cache_seqlens.sharding, 1), [batch]),
         [()], [()],  # descales
     ]
     named = [_named(mesh, d) for d in shardings]
+    named.append(None if layer is None else _named(mesh, [()]))
     if meta is not None:
         named.append(tuple(_named(mesh, [()] * len(m.shape)) for m in meta))
     else:
@@ -216,9 +221,17 @@ def _decode_plan(mesh, arg_shapes, use_given_meta: bool):
     return tuple(named), results, plan, use_given_meta and not batch and not heads
 
 
-def _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta):
-    """Single-device decode; computes the scheduler metadata for these (possibly per-shard) shapes if not given."""
+def _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, layer, meta):
+    """Single-device decode; computes the scheduler metadata for these (possibly per-shard) shapes if not given.
+
+    With `layer` ([1]), k_cache [num_layers, num_blocks, ...] is read as one pool of num_layers * num_blocks pages
+    (merging the leading dimensions of a row-major array is a bitcast, not a copy) and the layer's block ids are
+    offset into it.
+    """
     softmax_scale, causal, kv_format, implementation, num_sms = config
+    if layer is not None:
+        block_table = block_table + layer[0] * k_cache.shape[1]
+        k_cache = k_cache.reshape((-1,) + k_cache.shape[2:])
     if meta is None:
         _, s_q, h_q, _ = q.shape
         h_kv = k_cache.shape[2]
@@ -237,8 +250,8 @@ def _decode_partition(config, mesh, arg_shapes, result_shape):
     arg_shardings, result_shardings, plan, use_meta = _decode_plan(mesh, arg_shapes, arg_shapes[-1] is not None)
     plan.warn()
 
-    def per_shard(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta):
-        return _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k,
+    def per_shard(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, layer, meta):
+        return _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, layer,
                             meta if use_meta else None)
 
     return mesh, per_shard, result_shardings, arg_shardings
@@ -251,8 +264,9 @@ def _decode_infer(config, mesh, arg_shapes, result_shape):
 def _decode_rule(config, mesh, operand_types, result_types):
     # Only q shares factors (with the results): every other operand's sharding reaches `partition` as it is, so the
     # plan, not the propagation, decides what is resharded and warns about it.
-    operands = "b s h d, n p k e, tb tm, lb, dq, dk"
-    if len(operand_types) == 8:
+    has_layer = len(operand_types[1].shape) == 5
+    operands = f"b s h d, {'l ' if has_layer else ''}n p k e, tb tm, lb, dq, dk{', ly' if has_layer else ''}"
+    if len(operand_types) == 8 + has_layer:
         operands += ", mp mi, ns"
     return operands + " -> b s h v, b h s"
 
@@ -261,20 +275,21 @@ _decode_cp.def_partition(partition=_decode_partition, infer_sharding_from_operan
                          sharding_rule=_decode_rule)
 
 
-def _decode_abstract(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *meta, softmax_scale, causal,
-                     kv_format, implementation, num_sms):
+def _decode_abstract(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra, softmax_scale, causal,
+                     kv_format, implementation, num_sms, has_layer):
     b, s_q, h_q, _ = q.shape
     batch, _, heads, _ = _spec(q, 4)
     return (_typed(q, (b, s_q, h_q, HEAD_DIM_V), jnp.bfloat16, (batch, None, heads, None)),
             _typed(q, (b, h_q, s_q), jnp.float32, (batch, heads, None)))
 
 
-def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementation, num_sms):
+def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementation, num_sms, has_layer):
     _check_exportable(ctx, "flash_mla_with_kvcache")
     config = (softmax_scale, causal, kv_format, implementation, num_sms)
 
-    def fn(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *meta):
-        return _decode_cp(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k,
+    def fn(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra):
+        layer, meta = (extra[0], extra[1:]) if has_layer else (None, extra)
+        return _decode_cp(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, layer,
                           tuple(meta) if meta else None)
 
     return mlir.lower_fun(fn, multiple_results=True)(sharding_free(ctx), *args)
@@ -285,16 +300,18 @@ dispatch.prim_requires_devices_during_lowering.add(decode_spmd_p)  # lowers to c
 mlir.register_lowering(decode_spmd_p, _decode_lowering)
 
 
-def decode(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta=None, *, softmax_scale: float,
-           causal: bool, kv_format: str, implementation: str, num_sms: int):
+def decode(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta=None, layer=None, *,
+           softmax_scale: float, causal: bool, kv_format: str, implementation: str, num_sms: int):
     """Partition-aware decode for `flash_mla_with_kvcache` (arguments already validated and normalized).
 
     meta: None (computed per shard) or (tile_scheduler_metadata, num_splits), used only when nothing is split.
+    layer: None, or an int32 scalar: k_cache stacks the layers' caches and the decode reads that layer's.
     """
-    meta = () if meta is None else tuple(meta)
-    return tuple(decode_spmd_p.bind(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *meta,
+    extra = (() if layer is None else (jnp.reshape(layer, (1,)),)) + (() if meta is None else tuple(meta))
+    return tuple(decode_spmd_p.bind(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra,
                                     softmax_scale=float(softmax_scale), causal=bool(causal), kv_format=kv_format,
-                                    implementation=implementation, num_sms=int(num_sms)))
+                                    implementation=implementation, num_sms=int(num_sms),
+                                    has_layer=layer is not None))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -112,6 +112,21 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, *, kv_format, desc
                 raise ValueError(f"{name} is only used with kv_format='fp8_per_tensor', got it with {kv_format!r}")
 
 
+def check_layer(layer, k_cache):
+    """With `layer`, k_cache stacks every layer's cache [num_layers, num_blocks, 64, h_kv, d]: returns the layer as an
+    int32 scalar and the shape/dtype of one layer's cache; without it, (None, k_cache)."""
+    if layer is None:
+        return None, k_cache
+    layer = as_array(layer)
+    if not jnp.issubdtype(layer.dtype, jnp.integer) or layer.ndim != 0:
+        raise TypeError(f"layer must be an integer scalar, got dtype {_dtype_name(layer.dtype)} and shape "
+                        f"{tuple(layer.shape)}")
+    check_rank("k_cache", k_cache, 5, "[num_layers, num_blocks, page_size, num_heads_k, head_dim] with layer=")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < k_cache.shape[0]:
+        raise ValueError(f"layer must lie in [0, {k_cache.shape[0]}) (k_cache dim 0, num_layers), got {int(layer)}")
+    return layer.astype(jnp.int32), jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+
+
 def check_call_args(q, k_cache, block_table, cache_seqlens, *, kv_format, descale_q, descale_k, softmax_scale,
                     causal, head_dim_v: int = formats.HEAD_DIM_V) -> float:
     """Every check of a decode call (kernel or reference) that does not involve the metadata: shapes and dtypes

@@ -3,12 +3,13 @@ one cache".) Builds a one-function XLA FFI target for the CPU (g++ and jaxlib's 
 layers that writes a token and hands the cache to the target, in both layouts, and prints what the compiled HLO
 makes for the target's operand:
 
-    python scripts/stacked_cache_copy.py
+    PYTHONPATH=. python scripts/stacked_cache_copy.py     # from the repo root (or with the package installed)
 
-Stacked `[layers, num_blocks, ...]`: the operand is a dynamic-slice fusion, i.e. a copy of one layer's cache per
-layer and step. Page-major `[num_blocks * layers, ...]`: the operand is the scan's carried buffer, updated in place.
-Where a Hopper kernel is usable it does the same with the bf16 decode itself on the GPU (XLA:GPU compiles it),
-reporting what feeds the kernel's k_cache operand.
+Stacked `[layers, num_blocks, ...]` read as `cache[l]`: the operand is a dynamic-slice fusion, i.e. a copy of one
+layer's cache per layer and step. The same stack with its leading dimensions merged (what `layer=` hands the kernel)
+and a page-major `[num_blocks * layers, ...]` cache: the operand is the scan's carried buffer, updated in place
+(through a bitcast). Where a Hopper kernel is usable it does the same with the bf16 decode itself on the GPU (XLA:GPU
+compiles it), reporting what feeds the kernel's k_cache operand.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def stacked_step(cache, new):
     return jax.lax.scan(layer, cache, (jnp.arange(LAYERS), new))
 
 
+def stacked_merged_step(cache, new):
+    def layer(c, xs):
+        l, token = xs
+        c = c.at[l, 3, 5].set(token)
+        return c, byte_sum(c.reshape((LAYERS * BLOCKS,) + ROW))
+    return jax.lax.scan(layer, cache, (jnp.arange(LAYERS), new))
+
+
 def page_major_step(cache, new):
     def layer(c, xs):
         l, token = xs
@@ -69,6 +78,7 @@ def page_major_step(cache, new):
 
 
 LAYOUTS = {"stacked": (stacked_step, (LAYERS, BLOCKS) + ROW),
+           "stacked-merged": (stacked_merged_step, (LAYERS, BLOCKS) + ROW),
            "page-major": (page_major_step, (BLOCKS * LAYERS,) + ROW)}
 
 
@@ -104,17 +114,19 @@ def decode_operand(layout: str):
     def step(cache):
         def layer(c, xs):
             l, q_l, kv = xs
-            rows = table if layout == "stacked" else table * LAYERS + l
-            if layout == "stacked":
-                c = fm.write_kv_cache(c, kv, rows, seqlens[:, None] - 1, "bf16", layer=l)
-                layer_cache = c[l]
+            if layout == "page-major":
+                rows = table * LAYERS + l
+                c = fm.write_kv_cache(c, kv, rows, seqlens[:, None] - 1, "bf16")
+                out, _ = fm.flash_mla_with_kvcache(q_l, c, rows, seqlens, 512, meta, implementation="kernel")
             else:
-                c = layer_cache = fm.write_kv_cache(c, kv, rows, seqlens[:, None] - 1, "bf16")
-            out, _ = fm.flash_mla_with_kvcache(q_l, layer_cache, rows, seqlens, 512, meta, implementation="kernel")
+                c = fm.write_kv_cache(c, kv, table, seqlens[:, None] - 1, "bf16", layer=l)
+                read = (c[l], None) if layout == "stacked" else (c, l)  # stacked-merged: layer=
+                out, _ = fm.flash_mla_with_kvcache(q_l, read[0], table, seqlens, 512, meta, layer=read[1],
+                                                   implementation="kernel")
             return c, out
         return jax.lax.scan(layer, cache, (jnp.arange(LAYERS), q, new))
 
-    shape = (LAYERS, blocks, 64, 1, 576) if layout == "stacked" else (blocks * LAYERS, 64, 1, 576)
+    shape = (blocks * LAYERS, 64, 1, 576) if layout == "page-major" else (LAYERS, blocks, 64, 1, 576)
     hlo = jax.jit(step, donate_argnums=0).lower(jnp.zeros(shape, jnp.bfloat16)).compile().as_text()
     return producer(hlo, _ffi.decode_target("bf16"), 1)
 
@@ -123,12 +135,12 @@ def main() -> None:
     build_target()
     for layout, (_, shape) in LAYOUTS.items():
         name, operand_shape = operand(layout)
-        print(f"{layout:<11} cache {shape}: the custom call's operand {name} of shape {operand_shape}")
+        print(f"{layout:<15} cache {shape}: the custom call's operand {name} of shape {operand_shape}")
     from jax_flash_mla import kernel_formats
     if "bf16" in kernel_formats():
         for layout in LAYOUTS:
             name, operand_shape = decode_operand(layout)
-            print(f"{layout:<11} bf16 decode on {jax.devices()[0].device_kind}: k_cache is {name} of shape "
+            print(f"{layout:<15} bf16 decode on {jax.devices()[0].device_kind}: k_cache is {name} of shape "
                   f"{operand_shape}")
 
 

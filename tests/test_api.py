@@ -9,7 +9,8 @@ import pytest
 
 import jax_flash_mla as fm
 from jax_flash_mla import _ffi
-from jax_flash_mla.primitives import FORCE_REFERENCE_ENV, base
+from jax_flash_mla import sharding as sharding_module
+from jax_flash_mla.primitives import FORCE_REFERENCE_ENV, base, decode_p
 
 B, S_Q, H_Q, H_KV, BLOCKS, MAX_PAGES = 2, 1, 4, 1, 6, 3
 
@@ -96,6 +97,59 @@ def test_python_lists_and_numbers_are_accepted(kv_format):
     for fn in (call, lambda **k: fm.mla_decode_reference(**k, softmax_scale=576 ** -0.5, causal=False)):
         for a, b in zip(want, fn(**loose)):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("kv_format", fm.KV_FORMATS)
+def test_layer_of_stacked_caches_is_that_layers_decode(kv_format):
+    """layer=: k_cache stacks the layers' caches [num_layers, num_blocks, ...]; the decode of layer l (a Python int,
+    or traced) is bit for bit the decode of k_cache[l] with the same block ids."""
+    kw = inputs(kv_format)
+    cache = kw.pop("k_cache")
+    caches = jnp.stack([cache[::-1], cache, cache[::-1]])
+    want = call(**kw, k_cache=cache)
+    in_jit = jax.jit(lambda caches, layer: call(**kw, k_cache=caches, layer=layer))
+    for got in (call(**kw, k_cache=caches, layer=1), in_jit(caches, jnp.int32(1))):
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("layer, error, match", [
+    (3, ValueError, r"layer must lie in \[0, 3\) \(k_cache dim 0, num_layers\), got 3"),
+    (-1, ValueError, r"layer must lie in \[0, 3\)"),
+    (1.0, TypeError, "layer must be an integer scalar, got dtype float32"),
+    (jnp.array([1]), TypeError, r"layer must be an integer scalar, got dtype int32 and shape \(1,\)"),
+])
+def test_layer_errors(layer, error, match):
+    kw = inputs()
+    kw["k_cache"] = jnp.stack([kw["k_cache"]] * 3)
+    with pytest.raises(error, match=match):
+        call(**kw, layer=layer)
+    with pytest.raises(ValueError, match="k_cache must have rank 5"):
+        call(**inputs(), layer=0)
+
+
+class _DecodeRecorder:
+    """Stands in for the decode primitive inside jax_flash_mla.sharding: records the k_cache shape that the kernel
+    (or the reference) is given."""
+
+    def __init__(self):
+        self.cache_shapes = []
+
+    def bind(self, q, k_cache, *args, **params):
+        self.cache_shapes.append(k_cache.shape)
+        return decode_p.bind(q, k_cache, *args, **params)
+
+
+def test_a_layer_reaches_the_kernel_as_the_whole_stack(monkeypatch):
+    """What keeps `layer=` free of copies: the decode primitive gets the stack itself, its leading dimensions merged
+    into one pool of pages (a bitcast; the layer's block ids are offset into it), never the slice k_cache[layer],
+    which XLA would materialize for the custom call (scripts/stacked_cache_copy.py)."""
+    kw = inputs("fp8_ds_mla")
+    recorder = _DecodeRecorder()
+    monkeypatch.setattr(sharding_module, "decode_p", recorder)
+    jax.clear_caches()  # lower again, through the recorder
+    call(**dict(kw, k_cache=jnp.stack([kw["k_cache"]] * 3)), layer=2)
+    assert recorder.cache_shapes == [(3 * BLOCKS, 64, 1, 656)]
 
 
 def test_unused_block_table_entries_may_be_garbage():

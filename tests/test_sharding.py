@@ -356,3 +356,35 @@ def test_sharded_write_to_a_layer_of_stacked_caches():
                                                  rows(table, i), rows(positions, i))) for i in range(DATA)], axis=1)
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(got)[0], caches[0])
+
+
+@pytest.mark.parametrize("strategy", ["heads", "2d"])
+def test_sharded_decode_of_a_layer_of_stacked_caches(strategy):
+    """layer=: k_cache [num_layers, num_blocks, ...], the page pools over num_blocks (dim 1) for the batch; local,
+    no communication, and bit for bit the decode of that layer's own cache under the same sharding."""
+    q_spec, cache_spec, row_spec, ids, *_ = STRATEGIES[strategy]
+    p = make_problem("fp8_ds_mla")
+    caches = np.stack([p["k_cache"][::-1], p["k_cache"]])  # layer 1 holds the problem's cache
+    stacked_spec = P(None, *cache_spec)
+    fn = decode_fn("fp8_ds_mla", p["kw"])
+    layered = lambda q, c, table, seqlens: fm.flash_mla_with_kvcache(q, c, table, seqlens, 512, causal=True,
+                                                                     kv_format="fp8_ds_mla", layer=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sharding.ReshardWarning)
+        got, compiled = run_sharded(layered, make_mesh(), [p["q"], caches, p[ids], p["seqlens"]],
+                                    [q_spec, stacked_spec, row_spec, row_spec])
+        want, _ = run_sharded(fn, make_mesh(), [p["q"], p["k_cache"], p[ids], p["seqlens"]],
+                              [q_spec, cache_spec, row_spec, row_spec])
+    assert hlo.collectives_in(compiled) == []
+    assert_bitwise(got, (np.asarray(want[0], np.float32), np.asarray(want[1])))
+
+
+def test_sharded_layers_dimension_is_resharded_with_a_warning():
+    p = make_problem("bf16")
+    caches = np.stack([p["k_cache"], p["k_cache"][::-1]])
+    layered = lambda q, c, table, seqlens: fm.flash_mla_with_kvcache(q, c, table, seqlens, 512, causal=True,
+                                                                     kv_format="bf16", layer=0)
+    with pytest.warns(sharding.ReshardWarning, match=r"k_cache dim 0 \(num_layers\) sharded over \('model'\)"):
+        got, _ = run_sharded(layered, make_mesh(), [p["q"], caches, p["glob"], p["seqlens"]],
+                             [P(), P("model"), P(), P()])
+    assert_close_to_unsharded(got, decode_fn("bf16", p["kw"]), p)

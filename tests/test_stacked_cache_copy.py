@@ -1,6 +1,7 @@
 """The README's advice on a model's layers (one page-major cache), checked on XLA:CPU with a test FFI target
 (scripts/stacked_cache_copy.py): a custom call reading `cache[l]` of a layer-stacked cache under lax.scan gets a
-copy of that layer, while the page-major cache reaches it as the scan's carried buffer."""
+copy of that layer, while the stack with its leading dimensions merged (what `layer=` hands the kernel) and a
+page-major cache reach it as the scan's carried buffer."""
 
 import importlib.util
 import pathlib
@@ -26,6 +27,7 @@ def test_stacked_layer_reaches_the_custom_call_as_a_copy(target):
     assert "dynamic-slice" in name and shape.endswith("[512,64,1,656]")  # one layer, materialized
 
 
-def test_page_major_cache_reaches_the_custom_call_whole(target):
-    name, shape = stacked_cache_copy.operand("page-major")
+@pytest.mark.parametrize("layout", ["stacked-merged", "page-major"])
+def test_merged_stack_and_page_major_cache_reach_the_custom_call_whole(target, layout):
+    name, shape = stacked_cache_copy.operand(layout)
     assert "dynamic-slice" not in name.replace("dynamic-update-slice", "") and shape.endswith("[2048,64,1,656]")
