@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import zlib
 
 import numpy as np
@@ -308,6 +309,42 @@ def test_kernel_reads_pages_past_4gib(s_q, h_q, kv_format):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
     ref_out, ref_lse = _references(inp, True)
     _check(*want, ref_out, ref_lse, kv_format)
+
+
+def _kernel_cache_operand(hlo_text, kv_format):
+    """Opcode and shape of what feeds the decode custom call's k_cache (operand 1) in compiled HLO text."""
+    operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + _ffi.decode_target(kv_format) + '"',
+                         hlo_text).group(1)
+    name = re.findall(r"%[\w.-]+", operands)[1]
+    shape, opcode = re.search(re.escape(name) + r" = \w+\[([\d,]*)\]\{[\d,]*\} ([\w-]+)\(", hlo_text).groups()
+    return opcode, tuple(int(d) for d in shape.split(","))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_kernel_reads_a_layer_of_stacked_caches_in_place(kv_format):
+    """layer=: under lax.scan over three layers of a stacked cache, each layer's decode is bit for bit the kernel's
+    decode of that layer's own cache, and the kernel's k_cache operand is the whole stack (num_layers * num_blocks
+    pages), not a materialized layer (tests/test_api.py and scripts/stacked_cache_copy.py: the carried stack with
+    writes, on the CPU)."""
+    rng = np.random.default_rng(9)
+    layers = [make_decode_inputs(rng, b=3, s_q=2, h_q=64, h_kv=1, seqlens=np.array([300, 0, 1000], np.int32),
+                                 kv_format=kv_format) for _ in range(3)]
+    (q, _, table, seqlens), kwargs = layers[0].kernel_args()
+    caches = jnp.stack([jnp.asarray(inp.kernel_args()[0][1]) for inp in layers])
+    run = lambda cache, **extra: fm.flash_mla_with_kvcache(q, cache, table, seqlens, softmax_scale=SOFTMAX_SCALE,
+                                                           causal=True, implementation="kernel", **kwargs, **extra)
+
+    def step(caches):
+        return jax.lax.scan(lambda c, l: (c, run(c, layer=l)), caches, jnp.arange(3))[1]
+
+    compiled = jax.jit(step).lower(caches).compile()
+    opcode, shape = _kernel_cache_operand(compiled.as_text(), kv_format)
+    assert shape[0] == 3 * caches.shape[1] and "dynamic-slice" not in opcode, (opcode, shape)
+    want = [run(caches[i]) for i in range(3)]
+    outs, lses = compiled(caches)
+    for i in range(3):
+        assert np.asarray(outs[i]).tobytes() == np.asarray(want[i][0]).tobytes()
+        assert np.asarray(lses[i]).tobytes() == np.asarray(want[i][1]).tobytes()
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
