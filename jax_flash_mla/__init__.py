@@ -94,10 +94,6 @@ def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: i
     return MlaMetadata(meta, splits)
 
 
-def _as_descale(x):
-    return None if x is None else jnp.reshape(jnp.asarray(x), (1,))
-
-
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int = HEAD_DIM_V,
                            tile_scheduler_metadata=None, num_splits=None, softmax_scale: Optional[float] = None,
                            causal: bool = False, kv_format: str = "bf16", descale_q=None, descale_k=None, *,
@@ -171,8 +167,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     # the plain single-device decode otherwise.
     out, lse = sharding.decode(
         q, k_cache, block_table, cache_seqlens,
-        _as_descale(descale_q) if descale_q is not None else ones,
-        _as_descale(descale_k) if descale_k is not None else ones, meta, layer,
+        ones if descale_q is None else jnp.reshape(descale_q, (1,)),
+        ones if descale_k is None else jnp.reshape(descale_k, (1,)), meta, layer,
         softmax_scale=softmax_scale, causal=bool(causal), kv_format=kv_format, implementation=implementation,
         num_sms=_default_num_sms())
     return out, lse

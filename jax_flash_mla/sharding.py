@@ -26,10 +26,9 @@ communication): sharding over the 576 / 512 / page-slot dims, over seqlen_q, ove
 `layer=` the cache is [num_layers, num_blocks, ...] and the rules above apply to its dims 1-4), a cache sharded over
 num_blocks while the batch is not (pages of one sequence on several devices: the cache is all-gathered, block ids
 are global), a cache h_kv sharding that does not follow the q heads, a batch or head count the mesh axes do not
-divide. These are
-errors (a ValueError raised while XLA compiles, so it reaches the caller wrapped in XLA's runtime error): the cache
-sharded over num_blocks on mesh axes other than the batch's (whether block ids are local or global would be a guess),
-and page pools that do not divide num_blocks or the batch.
+divide. These are errors (a ValueError raised while XLA compiles, so it reaches the caller wrapped in XLA's runtime
+error): the cache sharded over num_blocks on mesh axes other than the batch's (whether block ids are local or global
+would be a guess), and page pools that do not divide num_blocks or the batch.
 
 `write_kv_cache` here follows the same page-pool convention (the plain jnp scatter in `jax_flash_mla.quant` treats
 block ids as global: under a num_blocks-sharded cache it would gather and write the wrong pages). With a
