@@ -85,7 +85,9 @@ def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: i
                         ("num_sms", 1 if num_sms is None else num_sms)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive Python int, got {value!r}")
-    cache_seqlens = jnp.asarray(cache_seqlens)
+    cache_seqlens = validation.as_array(cache_seqlens)
+    validation.check_rank("cache_seqlens", cache_seqlens, 1, "[batch]")
+    validation.check_dtype("cache_seqlens", cache_seqlens, (jnp.int32,))
     if not _is_tracer(cache_seqlens) and cache_seqlens.size and int(cache_seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got min {int(cache_seqlens.min())}")
     meta, splits = schedule(cache_seqlens, int(num_q_tokens_per_head_k), int(num_heads_k),
@@ -151,10 +153,14 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         if isinstance(tile_scheduler_metadata, tuple):
             if num_splits is not None:
                 raise ValueError("num_splits must not be given when tile_scheduler_metadata is an MlaMetadata")
+            if len(tile_scheduler_metadata) != 2:
+                raise ValueError("tile_scheduler_metadata must be an MlaMetadata from get_mla_metadata (a pair: the "
+                                 f"metadata array and num_splits), got a tuple of {len(tile_scheduler_metadata)}")
             tile_scheduler_metadata, num_splits = tile_scheduler_metadata
         elif num_splits is None:
             raise ValueError("tile_scheduler_metadata must be an MlaMetadata from get_mla_metadata "
                              "(or pass its num_splits too)")
+        tile_scheduler_metadata, num_splits = map(validation.as_array, (tile_scheduler_metadata, num_splits))
         validation.check_sched_meta(tile_scheduler_metadata, num_splits, b)
         if not any(map(_is_tracer, (tile_scheduler_metadata, num_splits, cache_seqlens))):
             validation.check_sched_meta_values(tile_scheduler_metadata, num_splits, cache_seqlens)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import (KV_FORMATS, PAGE_SIZE, flash_mla_with_kvcache, get_mla_metadata, kernel_formats,
                mla_decode_reference, quantize_kv_cache)
+from ._cli import positive_int
 
 FP8_MAX = 448.0
 
@@ -51,13 +52,15 @@ def rel_l2(a, b) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seqlen-q", type=int, default=1)
-    parser.add_argument("--heads-q", type=int, default=16)
-    parser.add_argument("--heads-k", type=int, default=1)
-    parser.add_argument("--max-len", type=int, default=300)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seqlen-q", type=positive_int, default=1)
+    parser.add_argument("--heads-q", type=positive_int, default=16)
+    parser.add_argument("--heads-k", type=positive_int, default=1)
+    parser.add_argument("--max-len", type=positive_int, default=300)
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args(argv)
+    if args.heads_q % args.heads_k:
+        parser.error(f"--heads-q ({args.heads_q}) must be a multiple of --heads-k ({args.heads_k})")
 
     q, latent, table, seqlens = make_problem(jax.random.key(0), args.batch, args.seqlen_q, args.heads_q,
                                              args.heads_k, args.max_len)

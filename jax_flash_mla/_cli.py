@@ -33,6 +33,17 @@ def format_inputs(kv_format, q, latent):
                                                                        "descale_k": descale_k}
 
 
+def positive_int(text):
+    """argparse type for a count: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def list_flag(allowed, flag):
     """argparse type for a comma-separated subset of `allowed` (kept in the order given)."""
     def parse(text):

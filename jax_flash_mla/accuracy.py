@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from . import KV_FORMATS, PAGE_SIZE, dequantize_kv_cache, flash_mla_with_kvcache, get_mla_metadata, kernel_formats
-from ._cli import fmt, format_inputs, list_flag, output_path, pyplot, write_csv
+from ._cli import fmt, format_inputs, list_flag, output_path, positive_int, pyplot, write_csv
 from .formats import HEAD_DIM_QK, HEAD_DIM_V
 
 SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5
@@ -187,28 +187,25 @@ def plot(rows, path) -> bool:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_flash_mla.accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small problem (batch 2, 1024 tokens, 16 heads)")
-    parser.add_argument("--batch", type=int, help="sequences (default 16; quick 2)")
-    parser.add_argument("--seqlen", type=int, help="tokens per sequence, a multiple of 64 (default 4096; quick 1024)")
-    parser.add_argument("--heads", type=int, help="query heads (default 64; quick 16)")
+    parser.add_argument("--batch", type=positive_int, help="sequences (default 16; quick 2)")
+    parser.add_argument("--seqlen", type=positive_int,
+                        help="tokens per sequence, a multiple of 64 (default 4096; quick 1024)")
+    parser.add_argument("--heads", type=positive_int, help="query heads (default 64; quick 16)")
     parser.add_argument("--datasets", default=",".join(DATASETS), type=list_flag(DATASETS, "--datasets"),
                         help=f"comma list of {','.join(DATASETS)} (default all)")
     parser.add_argument("--formats", default=",".join(KV_FORMATS), type=list_flag(KV_FORMATS, "--formats"),
                         help=f"comma list of {','.join(KV_FORMATS)} (default all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-sms", type=int,
+    parser.add_argument("--num-sms", type=positive_int,
                         help="scheduler partitions (default: the device's SM count); as few as the batch makes each "
                              "sequence one split-KV chunk, the longest accumulation a kernel runs")
     parser.add_argument("--csv", help="CSV path (default accuracy.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default accuracy.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
-    batch = args.batch or (2 if args.quick else 16)
-    seqlen = args.seqlen or (1024 if args.quick else 4096)
-    heads = args.heads or (16 if args.quick else 64)
-    if seqlen % PAGE_SIZE or seqlen < PAGE_SIZE:
+    quick = lambda given, small, full: given if given is not None else small if args.quick else full
+    batch, seqlen, heads = quick(args.batch, 2, 16), quick(args.seqlen, 1024, 4096), quick(args.heads, 16, 64)
+    if seqlen % PAGE_SIZE:
         parser.error(f"--seqlen must be a positive multiple of {PAGE_SIZE}")
-
-    if args.num_sms is not None and args.num_sms < 1:
-        parser.error("--num-sms must be >= 1")
     rows = evaluate(args.datasets, args.formats, batch=batch, seqlen=seqlen, heads=heads, seed=args.seed,
                     num_sms=args.num_sms)
     csv_path, png_path = output_path(args.csv, "accuracy.csv"), output_path(args.png, "accuracy.png")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flash_mla.formats import (
     CACHE_DTYPES,
@@ -31,6 +32,7 @@ from jax_flash_mla.formats import (
 from jax_flash_mla.validation import check_positive_scale_value
 
 _E4M3_MAX = 448.0
+_INT32_MAX = 2**31 - 1
 # Floor of the fp8_ds_mla tile scale: an all-zero (or tiny) tile gets 2^-13 instead of a zero or subnormal scale.
 _DS_MLA_MIN_SCALE = 1e-4
 
@@ -90,7 +92,8 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     reads the stack in place too (``cache[layer]`` would hand it a copy: README, "A model's layers in one cache").
     """
     kv_format = check_kv_format(kv_format)
-    cache, new_kv, block_table, positions = map(jnp.asarray, (cache, new_kv, block_table, positions))
+    cache, new_kv = map(jnp.asarray, (cache, new_kv))
+    block_table, positions = index_array("block_table", block_table), index_array("positions", positions)
     _check_cache("cache", cache, kv_format)
     page_dims = cache.shape if layer is None else cache.shape[1:]
     if len(page_dims) != 4 or page_dims[1] != PAGE_SIZE:
@@ -104,10 +107,8 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     if new_kv.ndim != 4 or new_kv.shape[2] != h_kv:
         raise ValueError(f"new_kv must have shape [b, s_new, h_kv={h_kv}, {HEAD_DIM_QK}], got {new_kv.shape}")
     b, s_new = new_kv.shape[:2]
-    _check_int("block_table", block_table)
     if block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must have shape [b={b}, max_blocks], got {block_table.shape}")
-    _check_int("positions", positions)
     if positions.shape != (b, s_new):
         raise ValueError(f"positions must have shape [b, s_new] = {(b, s_new)}, got {positions.shape}")
     if layer is not None:
@@ -120,10 +121,9 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     if values.dtype != cache.dtype:  # fp8_ds_mla bytes into a float8_e4m3fn view of the cache
         values = jax.lax.bitcast_convert_type(values, cache.dtype)
 
-    positions = positions.astype(jnp.int32)
     logical_page = positions // PAGE_SIZE
     in_table = (positions >= 0) & (logical_page < block_table.shape[1])
-    page = jnp.take_along_axis(block_table.astype(jnp.int32), jnp.where(in_table, logical_page, 0), axis=1)
+    page = jnp.take_along_axis(block_table, jnp.where(in_table, logical_page, 0), axis=1)
     valid = in_table & (page >= 0)
     layer_index = ()
     if layer is not None:
@@ -187,6 +187,21 @@ def _check_cache(name, cache, kv_format):
     last = CACHE_LAST_DIM[kv_format]
     if cache.ndim == 0 or cache.shape[-1] != last:
         raise ValueError(f"{name} last dim must be {last} for kv_format={kv_format!r}, got shape {cache.shape}")
+
+
+def index_array(name, x):
+    """An integer array (lists, numpy or jax, any integer width) as int32. Values past int32's range become -1 or
+    2^31 - 1, which write_kv_cache drops like any out-of-range position or block id, instead of wrapping around
+    into a valid slot."""
+    if not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    _check_int(name, x)
+    lib = np if isinstance(x, (np.ndarray, np.generic)) else jnp
+    if jnp.iinfo(x.dtype).max > _INT32_MAX:
+        x = lib.minimum(x, _INT32_MAX)
+    if jnp.iinfo(x.dtype).min < -_INT32_MAX - 1:
+        x = lib.maximum(x, -1)
+    return jnp.asarray(x).astype(jnp.int32)
 
 
 def _check_int(name, x):

@@ -408,7 +408,8 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     device updates its cache shard in place, with no communication. Unsupported shardings are resharded with a
     ReshardWarning, as for the decode.
     """
-    cache, new_kv, block_table, positions = map(jnp.asarray, (cache, new_kv, block_table, positions))
+    cache, new_kv = map(jnp.asarray, (cache, new_kv))
+    block_table, positions = quant.index_array("block_table", block_table), quant.index_array("positions", positions)
     scale, layer = (None if x is None else jnp.asarray(x) for x in (scale, layer))
     # Argument checks of the single-device op, on sharding-free shapes.
     spec = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)

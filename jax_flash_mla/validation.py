@@ -33,7 +33,17 @@ def as_descale(x):
     return None if x is None else as_array(x)
 
 
+def check_static_shape(name: str, x) -> None:
+    """Shapes must be known when the decode is traced: the scheduler's partition count and the kernels' launch
+    depend on them, so jax.export's symbolic dimensions (shape polymorphism) are not supported."""
+    shape = tuple(np.shape(x))
+    if not all(isinstance(d, (int, np.integer)) for d in shape):
+        raise ValueError(f"{name} has a symbolic shape {shape}: jax_flash_mla needs static shapes (no shape "
+                         "polymorphism in jax.export); export one step per batch size")
+
+
 def check_rank(name: str, x, rank: int, layout: str) -> None:
+    check_static_shape(name, x)
     if np.ndim(x) != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(np.shape(x))}")
 

@@ -188,6 +188,32 @@ def test_metadata_errors():
         call(**kw, num_splits=meta.num_splits)
 
 
+def test_metadata_given_as_lists_or_a_wrong_tuple():
+    kw = inputs()
+    meta = fm.get_mla_metadata(kw["cache_seqlens"], S_Q * H_Q // H_KV, H_KV)
+    want = call(**kw, tile_scheduler_metadata=meta)
+    got = call(**kw, tile_scheduler_metadata=np.asarray(meta[0]).tolist(), num_splits=np.asarray(meta[1]).tolist())
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="tile_scheduler_metadata must be an MlaMetadata .* got a tuple of 1"):
+        call(**kw, tile_scheduler_metadata=(meta[0],))
+    with pytest.raises(TypeError, match="cache_seqlens must have dtype int32, got int64"):
+        fm.get_mla_metadata(np.asarray(kw["cache_seqlens"], np.int64), 4, 1)
+
+
+def test_symbolic_shapes_are_a_clear_error():
+    """jax.export's shape polymorphism: the scheduler and the kernels need static shapes."""
+    (b,) = jax.export.symbolic_shape("b")
+    kw = inputs()
+    specs = [jax.ShapeDtypeStruct((b, S_Q, H_Q, 576), jnp.bfloat16), jax.ShapeDtypeStruct((b, MAX_PAGES), jnp.int32),
+             jax.ShapeDtypeStruct((b,), jnp.int32)]
+    decode = lambda q, table, seqlens: fm.flash_mla_with_kvcache(q, kw["k_cache"], table, seqlens)
+    meta = lambda q, table, seqlens: fm.get_mla_metadata(seqlens, S_Q * H_Q, 1)
+    for fn, name in ((decode, "q"), (meta, "cache_seqlens")):
+        with pytest.raises(ValueError, match=f"{name} has a symbolic shape .* needs static shapes"):
+            jax.export.export(jax.jit(fn))(*specs)
+
+
 def test_metadata_of_other_lengths_outside_jit():
     """The kernel reads the chunks that passed metadata gives, clamped to the current lengths, from their first
     page. Metadata of an earlier step (shorter sequences) would leave the newest keys unread, and metadata that

@@ -2,11 +2,13 @@
 
 import csv
 import math
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from jax_flash_mla import __main__ as main_job
 from jax_flash_mla import accuracy, bench
 from jax_flash_mla.formats import BYTES_PER_TOKEN
 
@@ -133,4 +135,20 @@ def test_accuracy_num_sms(tmp_path, capsys):
     assert {r["num_sms"] for r in read_csv(tmp_path / "a.csv")[1]} == {"1"}
     with pytest.raises(SystemExit):
         accuracy.main(["--quick", "--num-sms", "0"])
-    assert "--num-sms must be >= 1" in capsys.readouterr().err
+    assert "argument --num-sms: expected a positive integer, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (accuracy.main, ["--quick", "--batch", "0"], "argument --batch: expected a positive integer, got 0"),
+    (accuracy.main, ["--quick", "--heads", "-4"], "argument --heads: expected a positive integer, got -4"),
+    (accuracy.main, ["--quick", "--seqlen", "100"], "--seqlen must be a positive multiple of 64"),
+    (bench.main, ["--quick", "--batch", "0"], "argument --batch: expected a positive integer, got 0"),
+    (bench.main, ["--quick", "--iters", "x"], "argument --iters: expected a positive integer, got 'x'"),
+    (main_job.main, ["--heads-k", "3"], r"--heads-q \(16\) must be a multiple of --heads-k \(3\)"),
+    (main_job.main, ["--max-len", "0"], "argument --max-len: expected a positive integer, got 0"),
+])
+def test_bad_counts_are_usage_errors(main, argv, message, capsys):
+    """A zero or negative count is refused by the argument parser, not run with a default or left to a traceback."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert re.search(message, capsys.readouterr().err)

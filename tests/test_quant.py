@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax_flash_mla.formats import KV_FORMATS
-from jax_flash_mla import dequantize_kv_cache, quantize_kv_cache, write_kv_cache
+from jax_flash_mla import dequantize_kv_cache, quant, quantize_kv_cache, write_kv_cache
 from jax_flash_mla.reference import mla_decode_reference
 from oracle import GARBAGE_BLOCK, SOFTMAX_SCALE, decode_cache, oracle_decode
 
@@ -407,3 +407,18 @@ ERROR_CASES = [
 def test_argument_errors(call, error, message):
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("positions, table", [
+    (np.array([[2**32 + 3]], np.int64), np.array([[0]], np.int32)),  # wraps to slot 3 of page 0 as int32
+    (np.array([[3]], np.int64), np.array([[2**32 + 1]], np.int64)),  # wraps to block 1
+    (np.array([[-2**40]], np.int64), np.array([[0]], np.int32)),  # wraps to 0
+    (np.array([[3]], np.int32), np.array([[2**32 + 1]], np.uint64)),
+])
+def test_write_drops_indices_past_int32_instead_of_wrapping(positions, table):
+    """Positions and block ids wider than int32 that would wrap into a valid slot are dropped like any other
+    out-of-range index."""
+    cache = jnp.zeros((2, 64, 1, 576), jnp.bfloat16)
+    new_kv = jnp.ones((1, 1, 1, 576), jnp.bfloat16)
+    for write in (write_kv_cache, quant.write_kv_cache):  # the public op and its single-device body
+        np.testing.assert_array_equal(np.asarray(write(cache, new_kv, table, positions, "bf16"), np.float32), 0)
