@@ -316,7 +316,7 @@ def _kernel_cache_operand(hlo_text, kv_format):
     operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + _ffi.decode_target(kv_format) + '"',
                          hlo_text).group(1)
     name = re.findall(r"%[\w.-]+", operands)[1]
-    shape, opcode = re.search(re.escape(name) + r" = \w+\[([\d,]*)\]\{[\d,]*\} ([\w-]+)\(", hlo_text).groups()
+    shape, opcode = re.search(re.escape(name) + r" = \w+\[([\d,]*)\](?:\{[^}]*\})? ([\w-]+)\(", hlo_text).groups()
     return opcode, tuple(int(d) for d in shape.split(","))
 
 
