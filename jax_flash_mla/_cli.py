@@ -44,6 +44,11 @@ def positive_int(text):
     return value
 
 
+def sized(given, quick: bool, small, full):
+    """A size flag's value: as given, else the --quick or the full default."""
+    return given if given is not None else small if quick else full
+
+
 def list_flag(allowed, flag):
     """argparse type for a comma-separated subset of `allowed` (kept in the order given)."""
     def parse(text):

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from . import KV_FORMATS, PAGE_SIZE, dequantize_kv_cache, flash_mla_with_kvcache, get_mla_metadata, kernel_formats
-from ._cli import fmt, format_inputs, list_flag, output_path, positive_int, pyplot, write_csv
+from ._cli import fmt, format_inputs, list_flag, output_path, positive_int, pyplot, sized, write_csv
 from .formats import HEAD_DIM_QK, HEAD_DIM_V
 
 SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5
@@ -202,8 +202,8 @@ def main(argv=None):
     parser.add_argument("--csv", help="CSV path (default accuracy.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default accuracy.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
-    quick = lambda given, small, full: given if given is not None else small if args.quick else full
-    batch, seqlen, heads = quick(args.batch, 2, 16), quick(args.seqlen, 1024, 4096), quick(args.heads, 16, 64)
+    batch, seqlen = sized(args.batch, args.quick, 2, 16), sized(args.seqlen, args.quick, 1024, 4096)
+    heads = sized(args.heads, args.quick, 16, 64)
     if seqlen % PAGE_SIZE:
         parser.error(f"--seqlen must be a positive multiple of {PAGE_SIZE}")
     rows = evaluate(args.datasets, args.formats, batch=batch, seqlen=seqlen, heads=heads, seed=args.seed,

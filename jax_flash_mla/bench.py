@@ -58,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from . import KV_FORMATS, PAGE_SIZE, flash_mla_with_kvcache, get_mla_metadata, kernel_formats
-from ._cli import fmt, format_inputs, list_flag, output_path, positive_int, pyplot, write_csv
+from ._cli import fmt, format_inputs, list_flag, output_path, positive_int, pyplot, sized, write_csv
 from .formats import BYTES_PER_TOKEN, HEAD_DIM_QK, HEAD_DIM_V, Q_DTYPES
 
 HEADS_KV = 1
@@ -572,8 +572,8 @@ def main(argv=None):
                         help=f"comma list of {','.join(KV_FORMATS)} (default all)")
     parser.add_argument("--skip-reference", action="store_true", help="time the kernels only")
     parser.add_argument("--batch", type=positive_int, help=f"sequences (default {ANCHOR_BATCH}; quick 8)")
-    parser.add_argument("--seqlen", type=positive_int, help=f"s_k; VL draws lengths in [1, 2 s_k] (default {ANCHOR_SEQLEN}; "
-                                                   "quick 512)")
+    parser.add_argument("--seqlen", type=positive_int,
+                        help=f"s_k; VL draws lengths in [1, 2 s_k] (default {ANCHOR_SEQLEN}; quick 512)")
     parser.add_argument("--iters", type=positive_int, help="decode calls per timed loop (default 50; quick 3)")
     parser.add_argument("--repeats", type=positive_int, help="timed loops per case (default 10; quick 3)")
     parser.add_argument("--seed", type=int, default=0)
@@ -596,9 +596,8 @@ def main(argv=None):
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
-    quick = lambda given, small, full: given if given is not None else small if args.quick else full
-    batch, seqlen = quick(args.batch, 8, ANCHOR_BATCH), quick(args.seqlen, 512, ANCHOR_SEQLEN)
-    iters, repeats = quick(args.iters, 3, 50), quick(args.repeats, 3, 10)
+    batch, seqlen = sized(args.batch, args.quick, 8, ANCHOR_BATCH), sized(args.seqlen, args.quick, 512, ANCHOR_SEQLEN)
+    iters, repeats = sized(args.iters, args.quick, 3, 50), sized(args.repeats, args.quick, 3, 10)
     if not 0 <= args.pause <= 60:
         parser.error("--pause must be between 0 and 60 seconds")
     if not 1 <= args.trace_runs <= 100 or (args.trace_runs > 1 and args.trace is None):

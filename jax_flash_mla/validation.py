@@ -22,7 +22,8 @@ def _dtype_name(dtype) -> str:
 
 
 def as_array(x):
-    """Lists and tuples become arrays (Python ints as int32); arrays, numpy arrays and tracers pass unchanged."""
+    """Lists and tuples become jnp arrays (Python ints as int32 unless x64 is on); arrays, numpy arrays and tracers
+    pass unchanged."""
     return x if hasattr(x, "dtype") else jnp.asarray(x)
 
 
