@@ -129,15 +129,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       out bfloat16 [batch, seqlen_q, num_heads_q, 512] and lse float32 [batch, num_heads_q, seqlen_q] (natural log;
       +inf, with out = 0, for a query row that sees no key).
     """
-    kv_format = formats.check_kv_format(kv_format)
-    q, k_cache, block_table, cache_seqlens = map(validation.as_array, (q, k_cache, block_table, cache_seqlens))
-    descale_q, descale_k = map(validation.as_descale, (descale_q, descale_k))
-    layer, layer_cache = validation.check_layer(layer, k_cache)
-    if softmax_scale is None:
-        softmax_scale = HEAD_DIM_QK ** -0.5
-    softmax_scale = validation.check_call_args(q, layer_cache, block_table, cache_seqlens, kv_format=kv_format,
-                                               descale_q=descale_q, descale_k=descale_k, head_dim_v=head_dim_v,
-                                               softmax_scale=softmax_scale, causal=causal)
+    q, k_cache, block_table, cache_seqlens, kv_format, descale_q, descale_k, softmax_scale, causal, layer = \
+        validation.decode_call_args(
+            q, k_cache, block_table, cache_seqlens, kv_format=kv_format, descale_q=descale_q, descale_k=descale_k,
+            softmax_scale=HEAD_DIM_QK ** -0.5 if softmax_scale is None else softmax_scale, causal=causal,
+            head_dim_v=head_dim_v, layer=layer)
 
     b = q.shape[0]
     implementation = resolve_implementation(implementation)
@@ -175,6 +171,6 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         q, k_cache, block_table, cache_seqlens,
         ones if descale_q is None else jnp.reshape(descale_q, (1,)),
         ones if descale_k is None else jnp.reshape(descale_k, (1,)), meta, layer,
-        softmax_scale=softmax_scale, causal=bool(causal), kv_format=kv_format, implementation=implementation,
+        softmax_scale=softmax_scale, causal=causal, kv_format=kv_format, implementation=implementation,
         num_sms=_default_num_sms())
     return out, lse

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash_mla import formats, validation
+from jax_flash_mla import validation
 from jax_flash_mla.formats import HEAD_DIM_QK, HEAD_DIM_V, PAGE_SIZE
 from jax_flash_mla.quant import dequantize_kv_cache
 
@@ -66,14 +66,11 @@ def mla_decode_reference(
     Arguments are checked as by ``flash_mla_with_kvcache``: shapes and dtypes always, lengths, block ids and
     descales when concrete (outside jit).
     """
-    kv_format = formats.check_kv_format(kv_format)
-    q, k_cache, block_table, cache_seqlens = map(validation.as_array, (q, k_cache, block_table, cache_seqlens))
-    descale_q, descale_k = map(validation.as_descale, (descale_q, descale_k))
-    softmax_scale = validation.check_call_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
-                                               descale_q=descale_q, descale_k=descale_k,
-                                               softmax_scale=softmax_scale, causal=causal)
-    return decode(q, k_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=causal,
-                  kv_format=kv_format, descale_q=descale_q, descale_k=descale_k, chunk_tokens=chunk_tokens)
+    call = validation.decode_call_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format,
+                                       descale_q=descale_q, descale_k=descale_k, softmax_scale=softmax_scale,
+                                       causal=causal)._asdict()
+    del call["layer"]  # (the reference takes one layer's cache)
+    return decode(**call, chunk_tokens=chunk_tokens)
 
 
 def decode(q, k_cache, block_table, cache_seqlens, *, softmax_scale, causal, kv_format, descale_q=None,

@@ -6,6 +6,8 @@ the API calls them only outside jit. Each error names the argument and says what
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,7 +125,7 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, *, kv_format, desc
                 raise ValueError(f"{name} is only used with kv_format='fp8_per_tensor', got it with {kv_format!r}")
 
 
-def check_layer(layer, k_cache):
+def _check_layer(layer, k_cache):
     """With `layer`, k_cache stacks every layer's cache [num_layers, num_blocks, 64, h_kv, d]: returns the layer as an
     int32 scalar and the shape/dtype of one layer's cache; without it, (None, k_cache)."""
     if layer is None:
@@ -138,11 +140,31 @@ def check_layer(layer, k_cache):
     return layer.astype(jnp.int32), jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
 
 
-def check_call_args(q, k_cache, block_table, cache_seqlens, *, kv_format, descale_q, descale_k, softmax_scale,
-                    causal, head_dim_v: int = formats.HEAD_DIM_V) -> float:
+class DecodeCall(NamedTuple):
+    """A decode call's arguments after decode_call_args."""
+
+    q: object
+    k_cache: object
+    block_table: object
+    cache_seqlens: object
+    kv_format: str
+    descale_q: object
+    descale_k: object
+    softmax_scale: float
+    causal: bool
+    layer: object
+
+
+def decode_call_args(q, k_cache, block_table, cache_seqlens, *, kv_format, descale_q, descale_k, softmax_scale,
+                     causal, head_dim_v: int = formats.HEAD_DIM_V, layer=None) -> DecodeCall:
     """Every check of a decode call (kernel or reference) that does not involve the metadata: shapes and dtypes
-    always, lengths, block ids and descales when concrete. Returns softmax_scale as a float."""
-    check_decode_args(q, k_cache, block_table, cache_seqlens, kv_format=kv_format, descale_q=descale_q,
+    always, lengths, block ids, descales and the layer when concrete. Returns the arguments normalized: lists and
+    Python numbers as arrays, kv_format checked, softmax_scale a float, layer an int32 scalar (or None)."""
+    kv_format = formats.check_kv_format(kv_format)
+    q, k_cache, block_table, cache_seqlens = map(as_array, (q, k_cache, block_table, cache_seqlens))
+    descale_q, descale_k = map(as_descale, (descale_q, descale_k))
+    layer, layer_cache = _check_layer(layer, k_cache)
+    check_decode_args(q, layer_cache, block_table, cache_seqlens, kv_format=kv_format, descale_q=descale_q,
                       descale_k=descale_k, head_dim_v=head_dim_v)
     try:
         static = not isinstance(softmax_scale, (jax.core.Tracer, str, bytes))
@@ -154,11 +176,12 @@ def check_call_args(q, k_cache, block_table, cache_seqlens, *, kv_format, descal
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a Python bool (static), got {type(causal).__name__}")
     if not any(isinstance(x, jax.core.Tracer) for x in (block_table, cache_seqlens)):
-        check_concrete_values(block_table, cache_seqlens, k_cache.shape[0])
+        check_concrete_values(block_table, cache_seqlens, layer_cache.shape[0])
     for name, descale in (("descale_q", descale_q), ("descale_k", descale_k)):
         if descale is not None:
             check_positive_scale_value(name, descale)
-    return scale
+    return DecodeCall(q, k_cache, block_table, cache_seqlens, kv_format, descale_q, descale_k, scale, bool(causal),
+                      layer)
 
 
 def check_sched_meta(sched_meta, num_splits, batch: int) -> None:
