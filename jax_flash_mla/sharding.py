@@ -275,19 +275,19 @@ _decode_cp.def_partition(partition=_decode_partition, infer_sharding_from_operan
 
 
 def _decode_abstract(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra, softmax_scale, causal,
-                     kv_format, implementation, num_sms, has_layer):
+                     kv_format, implementation, num_sms):
     b, s_q, h_q, _ = q.shape
     batch, _, heads, _ = _spec(q, 4)
     return (_typed(q, (b, s_q, h_q, HEAD_DIM_V), jnp.bfloat16, (batch, None, heads, None)),
             _typed(q, (b, h_q, s_q), jnp.float32, (batch, heads, None)))
 
 
-def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementation, num_sms, has_layer):
+def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementation, num_sms):
     _check_exportable(ctx, "flash_mla_with_kvcache")
     config = (softmax_scale, causal, kv_format, implementation, num_sms)
 
     def fn(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra):
-        layer, meta = (extra[0], extra[1:]) if has_layer else (None, extra)
+        layer, meta = (extra[0], extra[1:]) if k_cache.ndim == 5 else (None, extra)  # a stack of layers
         return _decode_cp(config, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, layer,
                           tuple(meta) if meta else None)
 
@@ -309,8 +309,7 @@ def decode(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta=No
     extra = (() if layer is None else (jnp.reshape(layer, (1,)),)) + (() if meta is None else tuple(meta))
     return tuple(decode_spmd_p.bind(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra,
                                     softmax_scale=float(softmax_scale), causal=bool(causal), kv_format=kv_format,
-                                    implementation=implementation, num_sms=int(num_sms),
-                                    has_layer=layer is not None))
+                                    implementation=implementation, num_sms=int(num_sms)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
