@@ -20,6 +20,15 @@ def collectives_in(hlo) -> list:
     return _COLLECTIVE_RE.findall(_text(hlo))
 
 
+def custom_call_operand(hlo, target: str, index: int) -> tuple:
+    """(name, shape) of the instruction that feeds operand `index` of the custom call to `target`."""
+    text = _text(hlo)
+    operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + re.escape(target) + '"', text).group(1)
+    name = re.findall(r"%[\w.-]+", operands)[index]
+    dims = re.search(re.escape(name) + r" = \w+\[([\d,]*)\]", text).group(1)
+    return name, tuple(int(d) for d in dims.split(",") if d)
+
+
 def ops_producing(hlo, shape) -> set:
     """Opcodes of every instruction, in any computation, whose result has `shape` (any dtype)."""
     dims = ",".join(map(str, shape))

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
-import re
 import subprocess
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import jax_flash_mla as fm
+from jax_flash_mla import _ffi, hlo
 
 SOURCE = r"""
 #include "xla/ffi/api/ffi.h"
@@ -82,28 +84,18 @@ LAYOUTS = {"stacked": (stacked_step, (LAYERS, BLOCKS) + ROW),
            "page-major": (page_major_step, (BLOCKS * LAYERS,) + ROW)}
 
 
-def producer(hlo: str, target: str, index: int):
-    """(name, shape text) of the instruction that feeds operand `index` of the custom call to `target`."""
-    operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + re.escape(target) + "\"", hlo).group(1)
-    name = re.findall(r"%[\w.-]+", operands)[index]
-    return name, re.search(re.escape(name) + r" = (\w+\[[\d,]*\])", hlo).group(1)
-
-
 def operand(layout: str):
     """What feeds the test target in the layout's compiled step on the CPU."""
     step, shape = LAYOUTS[layout]
     cpu = jax.devices("cpu")[0]  # the target is registered for the CPU (on a GPU machine too)
     cache = jax.device_put(np.zeros(shape, np.uint8), cpu)
     new = jax.device_put(np.ones((LAYERS,) + ROW[1:], np.uint8), cpu)
-    return producer(jax.jit(step, donate_argnums=0).lower(cache, new).compile().as_text(), "byte_sum", 0)
+    return hlo.custom_call_operand(jax.jit(step, donate_argnums=0).lower(cache, new).compile(), "byte_sum", 0)
 
 
 def decode_operand(layout: str):
     """What feeds the bf16 decode kernel's k_cache in the layout's compiled step (a scan that writes a token into
     each layer's cache and attends over it), compiled for the default device."""
-    import jax_flash_mla as fm
-    from jax_flash_mla import _ffi
-
     blocks, b, h_q = 64, 4, 16
     table = jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)
     seqlens = jnp.full((b,), 100, jnp.int32)
@@ -127,8 +119,8 @@ def decode_operand(layout: str):
         return jax.lax.scan(layer, cache, (jnp.arange(LAYERS), q, new))
 
     shape = (blocks * LAYERS, 64, 1, 576) if layout == "page-major" else (LAYERS, blocks, 64, 1, 576)
-    hlo = jax.jit(step, donate_argnums=0).lower(jnp.zeros(shape, jnp.bfloat16)).compile().as_text()
-    return producer(hlo, _ffi.decode_target("bf16"), 1)
+    compiled = jax.jit(step, donate_argnums=0).lower(jnp.zeros(shape, jnp.bfloat16)).compile()
+    return hlo.custom_call_operand(compiled, _ffi.decode_target("bf16"), 1)
 
 
 def main() -> None:
@@ -136,8 +128,7 @@ def main() -> None:
     for layout, (_, shape) in LAYOUTS.items():
         name, operand_shape = operand(layout)
         print(f"{layout:<15} cache {shape}: the custom call's operand {name} of shape {operand_shape}")
-    from jax_flash_mla import kernel_formats
-    if "bf16" in kernel_formats():
+    if "bf16" in fm.kernel_formats():
         for layout in LAYOUTS:
             name, operand_shape = decode_operand(layout)
             print(f"{layout:<15} bf16 decode on {jax.devices()[0].device_kind}: k_cache is {name} of shape "

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import zlib
 
 import numpy as np
@@ -70,7 +69,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash_mla as fm
-from jax_flash_mla import _ffi
+from jax_flash_mla import _ffi, hlo
 
 from jax_flash_mla.accuracy import README_EMULATION, README_KERNEL, REGRESSION_FACTOR
 from oracle import (GARBAGE_BLOCK, SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel,
@@ -311,15 +310,6 @@ def test_kernel_reads_pages_past_4gib(s_q, h_q, kv_format):
     _check(*want, ref_out, ref_lse, kv_format)
 
 
-def _kernel_cache_operand(hlo_text, kv_format):
-    """Opcode and shape of what feeds the decode custom call's k_cache (operand 1) in compiled HLO text."""
-    operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + _ffi.decode_target(kv_format) + '"',
-                         hlo_text).group(1)
-    name = re.findall(r"%[\w.-]+", operands)[1]
-    shape, opcode = re.search(re.escape(name) + r" = \w+\[([\d,]*)\](?:\{[^}]*\})? ([\w-]+)\(", hlo_text).groups()
-    return opcode, tuple(int(d) for d in shape.split(","))
-
-
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_kernel_reads_a_layer_of_stacked_caches_in_place(kv_format):
     """layer=: under lax.scan over three layers of a stacked cache, each layer's decode is bit for bit the kernel's
@@ -338,8 +328,8 @@ def test_kernel_reads_a_layer_of_stacked_caches_in_place(kv_format):
         return jax.lax.scan(lambda c, l: (c, run(c, layer=l)), caches, jnp.arange(3))[1]
 
     compiled = jax.jit(step).lower(caches).compile()
-    opcode, shape = _kernel_cache_operand(compiled.as_text(), kv_format)
-    assert shape[0] == 3 * caches.shape[1] and "dynamic-slice" not in opcode, (opcode, shape)
+    name, shape = hlo.custom_call_operand(compiled, _ffi.decode_target(kv_format), 1)  # k_cache
+    assert shape[0] == 3 * caches.shape[1], (name, shape)
     want = [run(caches[i]) for i in range(3)]
     outs, lses = compiled(caches)
     for i in range(3):
