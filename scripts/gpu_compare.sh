@@ -16,7 +16,11 @@
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's
-# memory the pytest workers split; default from the card as well).
+# memory the pytest workers split; default from the card as well); SANITIZE_BESIDE_TESTS=1 runs the sanitizers in
+# the background while the tests run (a copy of the build's package; one fewer pytest worker and 0.06 less of the
+# card's memory for them), so that one 600 s call holds a build's tests, sanitizers and bench.
+# A name may repeat (BUILDS="main new main": the bench in A-B-A order within one call); a repeat's logs and table
+# rows are named <name>.<position>.
 # A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
 # in place of this checkout's; the others with this checkout's.
 # Logs: $OUT/compare_logs_N.tar.gz, N counting the runs of one GPU call.
@@ -31,15 +35,47 @@ PY=${PYTHON:-python3}
 formats=${FORMATS:-bf16 fp8_per_tensor}
 read -r -a builds <<< "${BUILDS:-$(ls -d .carry_* 2> /dev/null | sed 's/^\.carry_//' | tr '\n' ' ')}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-read -r workers mem_fraction < <("$PY" scripts/gpu_test_share.py)
+beside=${SANITIZE_BESIDE_TESTS:-0}
+[[ ${SKIP_RACECHECK:-0} == 1 ]] && beside=0
+if [[ $beside == 1 ]]; then
+  read -r workers _ < <("$PY" scripts/gpu_test_share.py)
+  read -r workers mem_fraction < <(PYTEST_WORKERS=${PYTEST_WORKERS:-$((workers > 1 ? workers - 1 : 1))} \
+    TEST_MEM_TOTAL=${TEST_MEM_TOTAL:-0.84} "$PY" scripts/gpu_test_share.py)
+else
+  read -r workers mem_fraction < <("$PY" scripts/gpu_test_share.py)
+fi
 echo "pytest: $workers workers, XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction each"
 declare -a summary=()
 # This checkout's package, restored before each build (a build may bring its own Python side).
 pristine=$logs/package_pristine
 cp -r jax_flash_mla "$pristine"
 
+# Each sanitizer of SANITIZE_TOOLS on each format, one process per format: with several kernels in one process
+# compute-sanitizer 2026.x segfaulted (rc 139) where each format alone ran clean (session 5). Prints the summary's
+# fragment.
+sanitize() {
+  local tag=$1 script=$2 tool f log rc verdict
+  for tool in ${SANITIZE_TOOLS:-racecheck}; do
+    for f in $formats; do
+      log=$logs/${tool}_${tag}_$f.log
+      SANITIZE_FORMATS=$f timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        --kernel-name kns=splitkv_mla "$PY" "$script" > "$log" 2>&1
+      rc=$?
+      verdict=$(grep -E '(RACECHECK|ERROR) SUMMARY' "$log" | sed -E 's/=* *(RACECHECK|ERROR) SUMMARY: //')
+      echo -n " $tool $f rc=$rc ($verdict);"
+    done
+  done
+}
+
 for i in "${!builds[@]}"; do
   name=${builds[$i]}
+  # A repeated name is benched only: its checks ran at its first place (or it is the baseline).
+  tag=$name
+  checks=$((i > 0))
+  if [[ " ${builds[*]:0:i} " == *" $name "* ]]; then
+    tag=$name.$i
+    checks=0
+  fi
   so=(.carry_"$name"/jax_flash_mla/_jax_flash_mla*.so)
   if [[ ! -f ${so[0]} ]]; then
     summary+=("$name: no module in .carry_$name")
@@ -52,58 +88,59 @@ for i in "${!builds[@]}"; do
     package=" (its own Python package)"
   fi
   cp "${so[@]}" jax_flash_mla/
-  echo "==== $name: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)$package"
-  line="$name:"
+  echo "==== $tag: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)$package"
+  line="$tag:"
   # Smoke run first (tests/gpu_sanitize.py's small cases, every format in one process): a build that hangs or is
   # wrong there skips its tests, racecheck and bench, which would each wait for their whole timeout (session 14
   # lost a 600 s call to a hanging build).
-  if ((i > 0)) && [[ ${SKIP_SMOKE:-0} != 1 ]]; then
+  if ((checks)) && [[ ${SKIP_SMOKE:-0} != 1 ]]; then
     SANITIZE_FORMATS=$(echo "$formats" | tr ' ' ',') timeout "${SMOKE_TIMEOUT:-60}" "$PY" tests/gpu_sanitize.py \
-      > "$logs/smoke_$name.log" 2>&1
+      > "$logs/smoke_$tag.log" 2>&1
     rc=$?
     if ((rc != 0)); then
       why="timed out: a hang?"
-      ((rc == 124)) || why="failed: $(tail -1 "$logs/smoke_$name.log" | cut -c1-100)"
+      ((rc == 124)) || why="failed: $(tail -1 "$logs/smoke_$tag.log" | cut -c1-100)"
       summary+=("$line smoke rc=$rc ($why); tests, racecheck and bench skipped")
-      echo "==== $name: smoke rc=$rc ($why), skipped"
+      echo "==== $tag: smoke rc=$rc ($why), skipped"
       continue
     fi
     line+=" smoke ok;"
   fi
-  if ((i > 0)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
+  sanitize_bg=""
+  if ((checks)) && [[ $beside == 1 ]]; then
+    # The build's package as it is now, apart from the checkout the tests use; tests/gpu_sanitize.py imports the
+    # package beside its own folder.
+    rm -rf "$logs/sanitize_$tag" && mkdir -p "$logs/sanitize_$tag" && cp -r jax_flash_mla tests "$logs/sanitize_$tag/"
+    sanitize "$tag" "$logs/sanitize_$tag/tests/gpu_sanitize.py" > "$logs/sanitize_$tag.txt" &
+    sanitize_bg=$!
+  fi
+  if ((checks)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
     k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
     read -r -a test_args <<< "${TEST_ARGS:-}"
     XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction JAX_FLASH_MLA_REQUIRE_GPU=1 \
       timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" \
-      "${test_args[@]}" > "$logs/pytest_$name.log" 2>&1
-    line+=" tests rc=$? ($(tail -1 "$logs/pytest_$name.log" | tr -d '=' | xargs));"
+      "${test_args[@]}" > "$logs/pytest_$tag.log" 2>&1
+    line+=" tests rc=$? ($(tail -1 "$logs/pytest_$tag.log" | tr -d '=' | xargs));"
   fi
-  if ((i > 0)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
-    # One process per format: with several kernels in one process compute-sanitizer 2026.x segfaulted (rc 139)
-    # where each format alone ran clean (session 5).
-    for tool in ${SANITIZE_TOOLS:-racecheck}; do
-      for f in $formats; do
-        log=$logs/${tool}_${name}_$f.log
-        SANITIZE_FORMATS=$f timeout "${RACECHECK_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-          --kernel-name kns=splitkv_mla "$PY" tests/gpu_sanitize.py > "$log" 2>&1
-        rc=$?
-        verdict=$(grep -E '(RACECHECK|ERROR) SUMMARY' "$log" | sed -E 's/=* *(RACECHECK|ERROR) SUMMARY: //')
-        line+=" $tool $f rc=$rc ($verdict);"
-      done
-    done
+  if [[ -n $sanitize_bg ]]; then
+    wait "$sanitize_bg"
+    line+=$(cat "$logs/sanitize_$tag.txt")
+    rm -rf "$logs/sanitize_$tag"
+  elif ((checks)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
+    line+=$(sanitize "$tag" tests/gpu_sanitize.py)
   fi
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
   bench_formats=$formats
   ((i == 0)) && bench_formats=${BASELINE_FORMATS:-$formats}
   timeout 200 "$PY" -m jax_flash_mla.bench --skip-reference --formats "$(echo "$bench_formats" | tr ' ' ',')" \
-    --shapes "${SHAPES:-M1,C1,C2}" --csv "$logs/bench_$name.csv" --png /tmp/bench_"$name".png "${bench_args[@]}" \
-    > "$logs/bench_$name.log" 2>&1
+    --shapes "${SHAPES:-M1,C1,C2}" --csv "$logs/bench_$tag.csv" --png /tmp/bench_"$tag".png "${bench_args[@]}" \
+    > "$logs/bench_$tag.log" 2>&1
   line+=" bench rc=$?"
   summary+=("$line")
   # Columns: loop median (us), and with --trace the decode's span (last column). Printed as they come too, so that a
   # call cut short by its time limit still shows the builds it finished.
-  grep -E "^(M1|C1|C2|VL) " "$logs/bench_$name.log" \
-    | awk -v n="$name" '{printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (NF >= 7 ? $7 : "-")}' \
+  grep -E "^(M1|C1|C2|VL) " "$logs/bench_$tag.log" \
+    | awk -v n="$tag" '{printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (NF >= 7 ? $7 : "-")}' \
     | tee -a "$logs/table.txt"
 done
 
