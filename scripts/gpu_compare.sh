@@ -17,8 +17,9 @@
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's
 # memory the pytest workers split; default from the card as well); SANITIZE_BESIDE_TESTS=1 runs the sanitizers in
-# the background while the tests run (a copy of the build's package; one fewer pytest worker and 0.06 less of the
-# card's memory for them), so that one 600 s call holds a build's tests, sanitizers and bench.
+# the background while the tests run (on a copy of the build's package; the tests get one fewer worker and, unless
+# TEST_MEM_TOTAL says otherwise, 0.84 of the card's memory), so that one 600 s call holds a build's tests,
+# sanitizers and bench.
 # A name may repeat (BUILDS="main new main": the bench in A-B-A order within one call); a repeat's logs and table
 # rows are named <name>.<position>.
 # A build whose carry has package/jax_flash_mla (build_carry_at.sh with WITH_PACKAGE=1) runs with that Python package
