@@ -29,7 +29,7 @@ from jax_flash_mla.formats import (
     QUANT_TILE,
     check_kv_format,
 )
-from jax_flash_mla.validation import check_positive_scale_value
+from jax_flash_mla.validation import check_positive_scale_value, layer_scalar
 
 _E4M3_MAX = 448.0
 _INT32_MAX = 2**31 - 1
@@ -112,10 +112,7 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     if positions.shape != (b, s_new):
         raise ValueError(f"positions must have shape [b, s_new] = {(b, s_new)}, got {positions.shape}")
     if layer is not None:
-        layer = jnp.asarray(layer)
-        _check_int("layer", layer)
-        if layer.ndim != 0:
-            raise ValueError(f"layer must be a scalar, got shape {layer.shape}")
+        layer = layer_scalar(layer)
 
     values = quantize_kv_cache(new_kv, kv_format, scale)
     if values.dtype != cache.dtype:  # fp8_ds_mla bytes into a float8_e4m3fn view of the cache
@@ -128,7 +125,7 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     layer_index = ()
     if layer is not None:
         valid &= (layer >= 0) & (layer < cache.shape[0])
-        layer_index = (layer.astype(jnp.int32),)
+        layer_index = (layer,)
     # mode="drop" discards only indices past the end; negative ones would wrap around, so every rejected token is sent
     # to page num_blocks instead.
     page = jnp.where(valid, page, num_blocks)

@@ -125,19 +125,25 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, *, kv_format, desc
                 raise ValueError(f"{name} is only used with kv_format='fp8_per_tensor', got it with {kv_format!r}")
 
 
+def layer_scalar(layer):
+    """A stacked cache's layer index (Python int, numpy or jax integer scalar, may be traced) as an int32 scalar."""
+    layer = as_array(layer)
+    if not jnp.issubdtype(layer.dtype, jnp.integer) or layer.ndim != 0:
+        raise TypeError(f"layer must be an integer scalar, got dtype {_dtype_name(layer.dtype)} and shape "
+                        f"{tuple(layer.shape)}")
+    return layer.astype(jnp.int32)
+
+
 def _check_layer(layer, k_cache):
     """With `layer`, k_cache stacks every layer's cache [num_layers, num_blocks, 64, h_kv, d]: returns the layer as an
     int32 scalar and the shape/dtype of one layer's cache; without it, (None, k_cache)."""
     if layer is None:
         return None, k_cache
-    layer = as_array(layer)
-    if not jnp.issubdtype(layer.dtype, jnp.integer) or layer.ndim != 0:
-        raise TypeError(f"layer must be an integer scalar, got dtype {_dtype_name(layer.dtype)} and shape "
-                        f"{tuple(layer.shape)}")
+    layer = layer_scalar(layer)
     check_rank("k_cache", k_cache, 5, "[num_layers, num_blocks, page_size, num_heads_k, head_dim] with layer=")
     if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < k_cache.shape[0]:
         raise ValueError(f"layer must lie in [0, {k_cache.shape[0]}) (k_cache dim 0, num_layers), got {int(layer)}")
-    return layer.astype(jnp.int32), jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    return layer, jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
 
 
 class DecodeCall(NamedTuple):

@@ -397,9 +397,9 @@ ERROR_CASES = [
     (lambda: write_kv_cache(CACHE, NEW_KV, TABLE, POS, "bf16", layer=0), ValueError,
      "cache must have shape [num_layers, num_blocks, 64, h_kv, 576], got (3, 64, 1, 576)"),
     (lambda: write_kv_cache(CACHE[None], NEW_KV, TABLE, POS, "bf16", layer=0.0), TypeError,
-     "layer must be an integer array, got dtype float32"),
-    (lambda: write_kv_cache(CACHE[None], NEW_KV, TABLE, POS, "bf16", layer=[0]), ValueError,
-     "layer must be a scalar, got shape (1,)"),
+     "layer must be an integer scalar, got dtype float32"),
+    (lambda: write_kv_cache(CACHE[None], NEW_KV, TABLE, POS, "bf16", layer=[0]), TypeError,
+     "layer must be an integer scalar, got dtype int32 and shape (1,)"),
 ]
 
 
