@@ -23,7 +23,10 @@ def collectives_in(hlo) -> list:
 def custom_call_operand(hlo, target: str, index: int) -> tuple:
     """(name, shape) of the instruction that feeds operand `index` of the custom call to `target`."""
     text = _text(hlo)
-    operands = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + re.escape(target) + '"', text).group(1)
+    call = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + re.escape(target) + '"', text)
+    if call is None:
+        raise ValueError(f"no custom call to {target!r} in the HLO (the kernel path was not lowered)")
+    operands = call.group(1)
     name = re.findall(r"%[\w.-]+", operands)[index]
     dims = re.search(re.escape(name) + r" = \w+\[([\d,]*)\]", text).group(1)
     return name, tuple(int(d) for d in dims.split(",") if d)

@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from oracle import round_q_like_ds_mla_kernel
@@ -111,3 +112,14 @@ def test_oracle_rounds_q_like_the_emulated_per_row_scale():
     qe, qs = emu.quantize_q(q[:, : emu.D_V].astype(np.float64), "row-pow2")
     expected = np.concatenate([(qe * qs[..., None]).reshape(q.shape[0], emu.D_V), q[:, emu.D_V :]], axis=1)
     np.testing.assert_array_equal(round_q_like_ds_mla_kernel(q), expected.astype(np.float32))
+
+
+def test_oracle_rounded_q_is_exact_in_bfloat16():
+    """The GPU tests hand the rounded q to the fp8_ds_mla reference, whose q must be bf16: e4m3 codes times a power of
+    two, and the RoPE channels of a bf16 q, survive the cast."""
+    q, *_ = _data("gaussian")
+    q = q[0].astype(ml_dtypes.bfloat16).astype(np.float32)
+    q[3, : emu.D_V] *= np.float32(2.0**-40)  # a row whose scale is far below 1
+    rounded = round_q_like_ds_mla_kernel(q)
+    assert np.any(rounded[:, : emu.D_V] != q[:, : emu.D_V])  # the NoPE channels did change
+    np.testing.assert_array_equal(rounded.astype(ml_dtypes.bfloat16).astype(np.float32), rounded)

@@ -7,7 +7,11 @@ import importlib.util
 import pathlib
 import shutil
 
+import jax
+import jax.numpy as jnp
 import pytest
+
+from jax_flash_mla import hlo
 
 _spec = importlib.util.spec_from_file_location(
     "stacked_cache_copy", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "stacked_cache_copy.py")
@@ -31,3 +35,9 @@ def test_stacked_layer_reaches_the_custom_call_as_a_copy(target):
 def test_merged_stack_and_page_major_cache_reach_the_custom_call_whole(target, layout):
     name, shape = stacked_cache_copy.operand(layout)
     assert "dynamic-slice" not in name.replace("dynamic-update-slice", "") and shape == (2048, 64, 1, 656)
+
+
+def test_custom_call_operand_names_a_missing_target():
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros(4)).compile()
+    with pytest.raises(ValueError, match="no custom call to 'byte_sum'"):
+        hlo.custom_call_operand(compiled, "byte_sum", 0)
