@@ -265,6 +265,40 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   auto token_of = [](int v) { return 2 * (v / 4) + v % 2; };
   auto token_offset = [](int j) { return 8 * (j / 2) + j % 2; };
 
+  // This thread's page-invariant addressing, kept in plan.page_lane: its
+  // transpose_v lane, its P-store offset in the group tiles (this WG's token
+  // groups 2 wg, 2 wg + 1) and tok_first. Only this thread writes and reads
+  // its entry (program order), and nothing else touches the region. The
+  // loads are volatile: hoisted out of the page loop, the values would take
+  // registers next to O.
+  struct PageLane {
+    TransposeLane transpose;
+    uint32_t p_store;
+    int tok_first;
+  };
+  static_assert(sizeof(PageLane) == sizeof(plan.page_lane[0]), "one 32-byte entry a consumer thread");
+  const uint32_t page_lane_addr = smem_addr(plan.page_lane[ctid]);
+  {
+    const PageLane mine{transpose_lane<Tr>(wg, tid), p_store_offset<Tr>(tid / 32, lane, 2 * wg), tok_first};
+    uint32_t w[8];
+    memcpy(w, &mine, sizeof(w));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                 "st.shared.v4.b32 [%0 + 16], {%5, %6, %7, %8};\n" ::"r"(page_lane_addr),
+                 "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(w[4]), "r"(w[5]), "r"(w[6]), "r"(w[7])
+                 : "memory");
+  }
+  auto load_page_lane = [&] {
+    uint32_t w[8];
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%8];\n"
+                 "ld.shared.v4.b32 {%4, %5, %6, %7}, [%8 + 16];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]), "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
+                 : "r"(page_lane_addr)
+                 : "memory");
+    PageLane l;
+    memcpy(&l, w, sizeof(w));
+    return l;
+  };
+
   auto k_nope = [&](int stage) {
     Tensor sK = make_tensor(make_smem_ptr(plan.k[stage]), typename Tr::SmemLayoutK{});
     return thr_nope.partition_fragment_B(
@@ -325,10 +359,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
       // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
-      const uint32_t my_scales = ds_scale_addr(slot, tok_first);
+      const PageLane pl = load_page_lane();
+      const uint32_t my_scales = ds_scale_addr(slot, pl.tok_first);
       // The transpose while this page's S head (RoPE, group 0) and the last
       // page's P V are in flight.
-      transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, wg, tid, valid);
+      transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, pl.transpose, valid);
       stamp(args, wg, it, event_trace::kDsTransposed);
       // All retired here: a wait_group 1 over batches carried around the page
       // loop makes ptxas serialize every WGMMA (C7514).
@@ -361,7 +396,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
             "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
             " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
             : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
-            : "r"(tok_first + token_offset(j)), "r"(valid),
+            : "r"(pl.tok_first + token_offset(j)), "r"(valid),
               "r"(my_scales + uint32_t(token_offset(j) * Tr::kScaleRowBytes))
             : "memory");
         ksc[j][0] = x.x;
@@ -452,8 +487,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
-        store_p_e4m3<Tr, kNPerWG / 16>(smem_addr(plan.p[g]), tid / 32, lane, sc,
-                                       [&](int v) { return ksc[token_of(v)][g]; }, 2 * wg);
+        static_assert(kNPerWG / 16 == 2, "one stmatrix.x4 a group");
+        store_p_e4m3(smem_addr(plan.p[g]) + pl.p_store, sc, [&](int v) { return ksc[token_of(v)][g]; });
       }
       // Rescale O (no WGMMA reads it now: the last P V retired before this
       // page's S did) by the row-max factor and, per group, N_g old / new;

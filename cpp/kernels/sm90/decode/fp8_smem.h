@@ -41,11 +41,9 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
 // column block 2k and the same of block 2k + 1. That is exactly a thread's
 // element of an 8x8 b16 stmatrix tile (row lane / 4, bytes 4 (lane % 4) ..):
 // words[h][k] goes to tile (h, first_group + k).
-template <class Tr, int kTokenGroups, class Frag, class Scale>
-__device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane, const Frag& s, Scale scale,
-                                             int first_group) {
+template <int kTokenGroups, class Frag, class Scale>
+__device__ __forceinline__ void pack_p_e4m3(const Frag& s, Scale scale, uint32_t (&words)[2][kTokenGroups]) {
   static_assert(kTokenGroups % 2 == 0, "two token groups x two row halves per stmatrix.x4");
-  uint32_t words[2][kTokenGroups];
   CUTE_UNROLL
   for (int k = 0; k < kTokenGroups; ++k) {
     CUTE_UNROLL
@@ -55,15 +53,39 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
                                 s(v + 5) * scale(v + 5));
     }
   }
+}
+
+// The byte offset in a P tile of the stmatrix row this lane addresses for
+// token groups first_group and first_group + 1: row lane % 8 of matrix
+// m = lane / 8, which is tile (h, k) = (m % 2, m / 2).
+template <class Tr>
+__device__ __forceinline__ uint32_t p_store_offset(int warp, int lane, int first_group) {
   const typename Tr::SmemLayoutP layout_p{};
-  const int m = lane / 8;  // the matrix whose row this lane addresses: (h, k) = (m % 2, m / 2)
+  const int m = lane / 8;
   const int row = 16 * warp + 8 * (m % 2) + lane % 8;
+  return uint32_t(layout_p(row, 16 * (first_group + m / 2)));
+}
+
+template <class Tr, int kTokenGroups, class Frag, class Scale>
+__device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane, const Frag& s, Scale scale,
+                                             int first_group) {
+  uint32_t words[2][kTokenGroups];
+  pack_p_e4m3<kTokenGroups>(s, scale, words);
   CUTE_UNROLL
   for (int pair = 0; pair < kTokenGroups / 2; ++pair) {
-    const int col = 16 * (first_group + 2 * pair + m / 2);
-    stmatrix_x4(p_tile + uint32_t(layout_p(row, col)), words[0][2 * pair], words[1][2 * pair],
-                words[0][2 * pair + 1], words[1][2 * pair + 1]);
+    stmatrix_x4(p_tile + p_store_offset<Tr>(warp, lane, first_group + 2 * pair), words[0][2 * pair],
+                words[1][2 * pair], words[0][2 * pair + 1], words[1][2 * pair + 1]);
   }
+}
+
+// The same for two token groups, at `p_row`: the P tile's address plus this
+// lane's p_store_offset (computed once, kept in shared memory by
+// fp8_ds_mla's consumer).
+template <class Frag, class Scale>
+__device__ __forceinline__ void store_p_e4m3(uint32_t p_row, const Frag& s, Scale scale) {
+  uint32_t words[2][2];
+  pack_p_e4m3<2>(s, scale, words);
+  stmatrix_x4(p_row, words[0][0], words[1][0], words[0][1], words[1][1]);
 }
 
 // The address steps transpose_v takes between its blocks instead of
@@ -120,6 +142,41 @@ struct TransposeSteps {
   static constexpr bool kHold = hold_each(std::make_integer_sequence<int, kChannels / 32>{});
 };
 
+// What a lane of transpose_v addresses on every page, from its warpgroup and
+// thread index alone: its block-(0, 0) ldmatrix row in the K slot (as byte
+// offsets: h = 0, and h = 1 by TransposeSteps' XOR), its block-(0, 0)
+// stmatrix row in V^T, its PRMT selectors and its ldmatrix row's token.
+struct TransposeLane {
+  uint32_t ld_offset[2];  // K slot, blocks (0, 0) and (1, 0)
+  uint32_t st_offset;     // V^T, block (0, 0)
+  uint32_t sel_first, sel_second;
+  int ld_token;  // within a block of 16 tokens
+};
+
+template <class Tr>
+__device__ __forceinline__ TransposeLane transpose_lane(int wg, int tid) {
+  const typename Tr::SmemLayoutK layout_k{};
+  const typename Tr::SmemLayoutV layout_vt{};
+  const int lane = tid % 32;
+  const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
+  const int ld_token = 8 * (m % 2) + r;
+  const int ld_channel = 16 * (m / 2);
+  const bool odd_first = r >= 4;  // stmatrix rows: see transpose_v
+  const int st_channel = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(odd_first));
+  // This lane's registers go to stmatrix row lane / 4.
+  const bool lane_odd_first = lane / 4 >= 4;
+  const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
+  const uint32_t ld_first = uint32_t(layout_k(ld_token, warp_channels + ld_channel));
+  TransposeLane t;
+  t.ld_offset[0] = ld_first;
+  t.ld_offset[1] = ld_first ^ 32u;
+  t.st_offset = uint32_t(layout_vt(warp_channels + st_channel, 0));
+  t.sel_first = lane_odd_first ? 0x7531u : 0x6420u;
+  t.sel_second = lane_odd_first ? 0x6420u : 0x7531u;
+  t.ld_token = ld_token;
+  return t;
+}
+
 // Consumer WG `wg` writes V^T[c][p_column(t)] = K[t][c] for its channels
 // c in [256 wg, 256 wg + 256) and the page's 64 tokens, with zeros for tokens
 // t >= `valid` (slots past the chunk's end may hold NaN, 0x7F / 0xFF in e4m3,
@@ -145,29 +202,21 @@ struct TransposeSteps {
 // barrier, or kPReady) order the stores before the P V WGMMA.
 template <class Tr>
 __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
-                                            const typename Tr::Element* zeros, int wg, int tid, int valid) {
+                                            const typename Tr::Element* zeros, const TransposeLane& lane, int valid) {
   static_assert(sizeof(typename Tr::Element) == 1, "byte transpose");
   using Steps = TransposeSteps<Tr>;
   static_assert(Steps::kHold);
   constexpr uint32_t kTokenStep = Steps::kTokenStep, kVtChannelStep = Steps::kVtChannelStep;
-  const typename Tr::SmemLayoutK layout_k{};
-  const typename Tr::SmemLayoutV layout_vt{};
-  const int lane = tid % 32;
-  const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
-  const int ld_token = 8 * (m % 2) + r;
-  const int ld_channel = 16 * (m / 2);
-  const bool odd_first = r >= 4;  // stmatrix rows: see above
-  const int st_channel = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(odd_first));
-  // This lane's registers go to stmatrix row lane / 4.
-  const bool lane_odd_first = lane / 4 >= 4;
-  const uint32_t sel_first = lane_odd_first ? 0x7531u : 0x6420u;
-  const uint32_t sel_second = lane_odd_first ? 0x6420u : 0x7531u;
-  const int warp_channels = wg * decode_cfg::kHeadDimVPerWG + (tid / 32) * 64;
-  const uint32_t ld_first = uint32_t(layout_k(ld_token, warp_channels + ld_channel));  // block (0, 0)
-  const uint32_t ld_from[2] = {smem_addr(k_slot) + ld_first, smem_addr(k_slot) + (ld_first ^ 32u)};
+  const uint32_t ld_from[2] = {smem_addr(k_slot) + lane.ld_offset[0], smem_addr(k_slot) + lane.ld_offset[1]};
   const uint32_t zero_row = smem_addr(zeros);
-  const uint32_t st_first = uint32_t(layout_vt(warp_channels + st_channel, 0));
   const uint32_t vt_base = smem_addr(vt);
+  // prmt.b32 as such: __byte_perm reads only a selector's low three bits, so ptxas masks a selector it cannot
+  // see (one loaded from shared memory) on every call; ours have the fourth (sign replication) bit clear.
+  auto prmt = [](uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+  };
   // Blocks go in batches: the batch's ldmatrix are issued back to back
   // before its first PRMT, so their latencies overlap (one block at a time,
   // every PRMT waited on its own ldmatrix: the top short-scoreboard stall of
@@ -182,7 +231,7 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {
       const int h = (first + b) / 4, k = (first + b) % 4;
-      const uint32_t from = 16 * k + ld_token < valid ? ld_from[h] + k * kTokenStep : zero_row;
+      const uint32_t from = 16 * k + lane.ld_token < valid ? ld_from[h] + k * kTokenStep : zero_row;
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(d[b][0]), "=r"(d[b][1]), "=r"(d[b][2]), "=r"(d[b][3])
                    : "r"(from)
@@ -191,11 +240,18 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {
       const int h = (first + b) / 4, k = (first + b) % 4;
-      const uint32_t o0 = __byte_perm(d[b][0], d[b][1], sel_first), o1 = __byte_perm(d[b][0], d[b][1], sel_second);
-      const uint32_t o2 = __byte_perm(d[b][2], d[b][3], sel_first), o3 = __byte_perm(d[b][2], d[b][3], sel_second);
-      stmatrix_x4(vt_base + (st_first ^ uint32_t(16 * k)) + h * kVtChannelStep, o0, o1, o2, o3);
+      const uint32_t o0 = prmt(d[b][0], d[b][1], lane.sel_first), o1 = prmt(d[b][0], d[b][1], lane.sel_second);
+      const uint32_t o2 = prmt(d[b][2], d[b][3], lane.sel_first), o3 = prmt(d[b][2], d[b][3], lane.sel_second);
+      stmatrix_x4(vt_base + (lane.st_offset ^ uint32_t(16 * k)) + h * kVtChannelStep, o0, o1, o2, o3);
     }
   }
+}
+
+// The lane's addressing from its thread index on every call (fp8_per_tensor).
+template <class Tr>
+__device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, typename Tr::Element* vt,
+                                            const typename Tr::Element* zeros, int wg, int tid, int valid) {
+  transpose_v<Tr>(k_slot, vt, zeros, transpose_lane<Tr>(wg, tid), valid);
 }
 
 }  // namespace jax_flash_mla::sm90

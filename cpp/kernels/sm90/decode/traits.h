@@ -341,9 +341,10 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
 //
 // Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192
 // + K 2 x 41984 + V^T 2 x 32768 + P 4 x 4096 + a 16-byte zero row + q scales
-// 256 + row statistics 1536 + barriers 32, plus 1 KB of alignment slack:
-// about 206 KB of the 227 KB opt-in limit. A third stage would add 41 KB,
-// so kNumStages = 2.
+// 256 + row lags 256 + row statistics 1536 + the consumers' page-loop
+// addressing 8192 + barriers 48, padded to 1 KB, plus 1 KB of alignment
+// slack: kSmemBytes = 219136 (214 KB of the 227 KB opt-in limit). A third
+// stage would add 41 KB, so kNumStages = 2.
 template <>
 struct Traits<config::KvFormat::kFp8DsMla> {
   using Element = cutlass::float_e4m3_t;  // quantized q NoPE, cache NoPE, P
@@ -445,6 +446,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
     int row_lag[decode_cfg::kBlockM];
     float row_max[2][decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    // consumer_ds's page-loop addressing, 32 bytes a consumer thread (its transpose_v lane, P-store offset and
+    // first token): written by the thread before its first chunk, read back by it alone on every page. Kept in
+    // registers it would sit next to O, so ptxas recomputed it from the thread index every page instead.
+    alignas(16) uint4 page_lane[decode_cfg::kNumConsumerThreads][2];
     alignas(8) uint64_t k_full[kNumStages];
     alignas(8) uint64_t k_empty[kNumStages];
     // q by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with the tiles it fills.
