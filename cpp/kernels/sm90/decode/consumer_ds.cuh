@@ -388,6 +388,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // 16-byte load per token, 0 past the chunk (slots there may hold NaN:
       // those scores are masked by selection after the promotion, and P would
       // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= kPNormalizer / N_g).
+      // Token tok_first + o is valid iff o < valid - tok_first: one compare with an immediate a token.
+      const int valid_mine = valid - pl.tok_first;
       float ksc[8][kGroups];
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
@@ -396,8 +398,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
             "{\n .reg .pred ok;\n setp.lt.s32 ok, %4, %5;\n"
             " @ok ld.shared.v4.f32 {%0, %1, %2, %3}, [%6];\n}\n"
             : "+f"(x.x), "+f"(x.y), "+f"(x.z), "+f"(x.w)
-            : "r"(pl.tok_first + token_offset(j)), "r"(valid),
-              "r"(my_scales + uint32_t(token_offset(j) * Tr::kScaleRowBytes))
+            : "r"(token_offset(j)), "r"(valid_mine), "r"(my_scales + uint32_t(token_offset(j) * Tr::kScaleRowBytes))
             : "memory");
         ksc[j][0] = x.x;
         ksc[j][1] = x.y;
