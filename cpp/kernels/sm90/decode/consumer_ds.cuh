@@ -230,13 +230,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
   const int ctid = wg * 128 + tid;
   const int lane = tid % 32;
 
-  // Q operand descriptors, rebuilt per page from a pointer the compiler
-  // cannot see through: hoisted out of the page loop, the twenty 64-bit
-  // descriptors stayed live next to O and made ptxas spill.
+  // Q operand descriptors, rebuilt per page from shared addresses the
+  // compiler cannot see through: hoisted out of the page loop, the twenty
+  // 64-bit descriptors stayed live next to O and made ptxas spill. Opaque
+  // 32-bit shared addresses, not generic pointers: from an opaque generic
+  // pointer every rebuild converted it through the shared window's base.
   auto q_operands = [&] {
-    Element* q_nope = plan.q;
-    Rope* q_rope = plan.q_rope;
-    asm volatile("" : "+l"(q_nope), "+l"(q_rope));
+    uint32_t q_nope_addr = smem_addr(plan.q), q_rope_addr = smem_addr(plan.q_rope);
+    asm volatile("" : "+r"(q_nope_addr), "+r"(q_rope_addr));
+    Element* q_nope = static_cast<Element*>(__cvta_shared_to_generic(q_nope_addr));
+    Rope* q_rope = static_cast<Rope*>(__cvta_shared_to_generic(q_rope_addr));
     Tensor sQ = make_tensor(make_smem_ptr(q_nope), typename Tr::SmemLayoutQ{});
     Tensor sQR = make_tensor(make_smem_ptr(q_rope), typename Tr::SmemLayoutQRope{});
     return cute::make_tuple(thr_nope.partition_fragment_A(sQ),   // (MMA, 1, 16) descriptors
