@@ -444,7 +444,10 @@ struct SplitKvMlaKernel {
       if constexpr (kNarrow) {
         consumer_narrow(args, plan, meta, head_k, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       } else if constexpr (Tr::kScaleGroups) {
-        consumer_ds(args, plan, meta, head_k, m_block, warp / 4, threadIdx.x % 128);
+        // Shuffled as for consumer(): warp-uniform, the K slot's WGMMA
+        // descriptors (their tile depends on it) stay in uniform registers
+        // instead of being built per page and moved there by R2UR.
+        consumer_ds(args, plan, meta, head_k, m_block, cutlass::canonical_warp_group_idx(), threadIdx.x % 128);
       } else {
         // The warpgroup index through a shuffle, so that ptxas knows it is
         // warp-uniform: WGMMAs in flight across branches on it would otherwise
