@@ -171,8 +171,10 @@ __device__ __forceinline__ TransposeLane transpose_lane(int wg, int tid) {
   t.ld_offset[0] = ld_first;
   t.ld_offset[1] = ld_first ^ 32u;
   t.st_offset = uint32_t(layout_vt(warp_channels + st_channel, 0));
-  t.sel_first = lane_odd_first ? 0x7531u : 0x6420u;
-  t.sel_second = lane_odd_first ? 0x6420u : 0x7531u;
+  constexpr uint32_t kOddBytes = 0x7531u, kEvenBytes = 0x6420u;
+  static_assert(((kOddBytes | kEvenBytes) & 0x8888u) == 0, "no sign-replication bit: prmt.b32 reads as __byte_perm");
+  t.sel_first = lane_odd_first ? kOddBytes : kEvenBytes;
+  t.sel_second = lane_odd_first ? kEvenBytes : kOddBytes;
   t.ld_token = ld_token;
   return t;
 }
