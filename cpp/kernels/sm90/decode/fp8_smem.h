@@ -33,7 +33,7 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   return lo | (hi << 16);
 }
 
-// Stores a warp's e4m3 P (rows 16 warp .. 16 warp + 15 of the 64-row tile):
+// Packs a warp's e4m3 P (rows 16 warp .. 16 warp + 15 of the 64-row tile):
 // value v of the S-shaped fragment `s` times scale(v). In p_column order,
 // the accumulator fragment of a thread (rows lane / 4 and + 8, tokens
 // 8j + 2 (lane % 4) + {0, 1}) puts, per row half h and token group k, 4
@@ -55,6 +55,13 @@ __device__ __forceinline__ void pack_p_e4m3(const Frag& s, Scale scale, uint32_t
   }
 }
 
+// Token groups k and k + 1 of `words`, both row halves, by one stmatrix.x4 at
+// `row`: this lane's row address (p_store_offset) in the P tile.
+template <int kTokenGroups>
+__device__ __forceinline__ void store_p_pair(uint32_t row, const uint32_t (&words)[2][kTokenGroups], int k) {
+  stmatrix_x4(row, words[0][k], words[1][k], words[0][k + 1], words[1][k + 1]);
+}
+
 // The byte offset in a P tile of the stmatrix row this lane addresses for
 // token groups first_group and first_group + 1: row lane % 8 of matrix
 // m = lane / 8, which is tile (h, k) = (m % 2, m / 2).
@@ -66,6 +73,8 @@ __device__ __forceinline__ uint32_t p_store_offset(int warp, int lane, int first
   return uint32_t(layout_p(row, 16 * (first_group + m / 2)));
 }
 
+// Stores that P (pack_p_e4m3) as the P tile's token groups first_group ..
+// first_group + kTokenGroups - 1.
 template <class Tr, int kTokenGroups, class Frag, class Scale>
 __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane, const Frag& s, Scale scale,
                                              int first_group) {
@@ -73,8 +82,7 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
   pack_p_e4m3<kTokenGroups>(s, scale, words);
   CUTE_UNROLL
   for (int pair = 0; pair < kTokenGroups / 2; ++pair) {
-    stmatrix_x4(p_tile + p_store_offset<Tr>(warp, lane, first_group + 2 * pair), words[0][2 * pair],
-                words[1][2 * pair], words[0][2 * pair + 1], words[1][2 * pair + 1]);
+    store_p_pair(p_tile + p_store_offset<Tr>(warp, lane, first_group + 2 * pair), words, 2 * pair);
   }
 }
 
@@ -85,7 +93,7 @@ template <class Frag, class Scale>
 __device__ __forceinline__ void store_p_e4m3(uint32_t p_row, const Frag& s, Scale scale) {
   uint32_t words[2][2];
   pack_p_e4m3<2>(s, scale, words);
-  stmatrix_x4(p_row, words[0][0], words[1][0], words[0][1], words[1][1]);
+  store_p_pair(p_row, words, 0);
 }
 
 // The address steps transpose_v takes between its blocks instead of
