@@ -110,10 +110,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       cache_seqlens: int32 [batch].
       head_dim_v: must be 512.
       tile_scheduler_metadata: an MlaMetadata from get_mla_metadata for these cache_seqlens (or FlashMLA-style:
-        the metadata array, with `num_splits` passed separately). Computed here when omitted. Outside jit, metadata
-        with which the kernel would not read every key once (an earlier decode step's) raises; under jit it
-        cannot be checked. Under jit with sharded inputs the metadata is computed per shard and a passed one is ignored
-        (jax_flash_mla.sharding).
+        the metadata array, with `num_splits` passed separately). Computed here when omitted. Metadata of other
+        lengths (an earlier decode step's) still reads every key once, less balanced; outside jit, an edited one
+        with which the kernel would not raises. Under jit with sharded inputs the metadata is computed per shard and
+        a passed one is ignored (jax_flash_mla.sharding).
       softmax_scale: defaults to 576 ** -0.5 (for every format).
       causal: with seqlen_q > 1, query i of a sequence of length L sees keys 0 .. L - seqlen_q + i.
       kv_format: "bf16", "fp8_per_tensor" or "fp8_ds_mla".

@@ -229,18 +229,16 @@ def check_sched_meta_values(sched_meta, num_splits, cache_seqlens) -> None:
     """Outside jit: with this metadata the kernel reads every key of these lengths once, and the combine finds
     every split.
 
-    The kernel reads a partition's chunks as the metadata gives them, clamped to the current lengths, from the
-    page of the chunk's start (cpp: `make_chunk`, `Chunk::first_page`). So an earlier decode step's metadata,
-    computed when the sequences were shorter, leaves their newest keys unread, and metadata of longer sequences
-    reads the page where a sequence now ends twice when it had split the sequence past that end (only whole
-    sequences, or splits past a page boundary, come out right). Under jit nothing is checked and that goes
-    unnoticed: compute the metadata once per decode step.
+    The kernel reads a partition's chunks as the metadata gives them, with each sequence's last split ending at
+    its current length and every chunk clamped to it (cpp: `make_chunk`): any schedule get_mla_metadata made for
+    the batch, even for other lengths (an earlier decode step's), reads every key once, only less balanced. What
+    fails this check was not made by get_mla_metadata for a batch of this size (an edited schedule, say).
     """
     meta = np.asarray(sched_meta).astype(np.int64)
     splits = np.asarray(num_splits).astype(np.int64)
     lens = np.asarray(cache_seqlens).astype(np.int64)
     b = lens.shape[0]
-    hint = "compute it with get_mla_metadata from the same decode step's cache_seqlens (or pass none)"
+    hint = "compute it with get_mla_metadata from the decode step's cache_seqlens (or pass none)"
     if splits[0] != 0 or (np.diff(splits) < 1).any():
         raise ValueError(f"num_splits must start at 0 and rise by at least 1 per sequence (cumulative split "
                          f"counts), got {splits.tolist() if b <= 16 else splits}; {hint}")
@@ -249,31 +247,42 @@ def check_sched_meta_values(sched_meta, num_splits, cache_seqlens) -> None:
     if ((bb < 0) | (eb >= b)).any():
         raise ValueError(f"tile_scheduler_metadata names sequences outside [0, {b}) (batch {b}); {hint}")
     # Every chunk as the kernel reads it: (sequence, start, stop, split index). A partition's first sequence
-    # starts at begin_token and its last stops at end_token, the others are whole; then stop is clamped to the
-    # length and start to stop, and the kernel reads from start's page on.
+    # starts at begin_token and its last stops at end_token, the others are whole; a sequence's last split stops at
+    # its length and the others at most there, a start at most at the page boundary after its stop, and the
+    # kernel reads from the start's page on.
     one = bb == eb
     inner = np.maximum(eb - bb - 1, 0)
     whole = np.repeat(bb + 1, inner) + np.arange(inner.sum()) - np.repeat(np.cumsum(inner) - inner, inner)
     tails = (~one).sum() + whole.size
     seq = np.concatenate([bb, eb[~one], whole])
     given_start = np.concatenate([bt, np.zeros(tails, np.int64)])
-    stop = np.minimum(np.concatenate([np.where(one, et, lens[bb]), et[~one], lens[whole]]), lens[seq])
-    start = np.minimum(given_start, stop)
-    start -= start % formats.PAGE_SIZE
     index = np.concatenate([bs, np.zeros(tails, np.int64)])
+    last = index == np.diff(splits)[seq] - 1
+    stop = np.where(last, lens[seq], np.minimum(np.concatenate([np.where(one, et, lens[bb]), et[~one], lens[whole]]),
+                                                lens[seq]))
+    page = formats.PAGE_SIZE
+    start = np.minimum(given_start, -(-stop // page) * page)
+    start -= start % page
     order = np.lexsort((given_start, seq))
     seq, start, stop, index = seq[order], start[order], stop[order], index[order]
     count = np.bincount(seq, minlength=b)
     rank = np.arange(seq.size) - np.searchsorted(seq, seq)  # position among the sequence's chunks
-    follows = start == np.where(rank == 0, 0, np.concatenate([[0], stop[:-1]]))  # from 0, then back to back
+    bad = count != np.diff(splits)
+    bad[seq[index != rank]] = True
+    # The chunks that read a page must tile [0, length): from 0, then back to back.
+    reads = start < stop
+    seq, start, stop = seq[reads], start[reads], stop[reads]
+    first = np.arange(seq.size) == np.searchsorted(seq, seq)
+    follows = start == np.where(first, 0, np.concatenate([[0], stop[:-1]]))
     end = np.zeros(b, np.int64)
     np.maximum.at(end, seq, stop)
-    bad = (count != np.diff(splits)) | (end != lens)
-    bad[seq[~follows | (index != rank)]] = True
+    bad |= end != lens
+    bad[seq[~follows]] = True
     if bad.any():
         i = int(np.argmax(bad))
         chunks = [(int(a), int(z)) for a, z in zip(start[seq == i], stop[seq == i])]
         raise ValueError(
             f"tile_scheduler_metadata does not fit cache_seqlens[{i}] = {lens[i]}: the kernel would read that "
             f"sequence's keys as {chunks or 'nothing'} ([start, stop) by split) with "
-            f"{int(splits[i + 1] - splits[i])} split(s) in num_splits, so it was computed for other lengths; {hint}")
+            f"{int(splits[i + 1] - splits[i])} split(s) in num_splits, so it is not get_mla_metadata's for a batch "
+            f"of {b}; {hint}")

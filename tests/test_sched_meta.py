@@ -18,6 +18,8 @@ from jax_flash_mla.validation import check_sched_meta_values
 from jax_flash_mla.scheduler import (FIXED_OVERHEAD_PAGES, PAGE_SIZE, SCHED_META_INTS, num_sm_parts,
                                      sched_meta_reference)
 
+import stale_schedules
+
 F = FIXED_OVERHEAD_PAGES
 
 
@@ -208,9 +210,11 @@ def kernel_reads_every_key_once(meta, num_splits, lens) -> bool:
     for bb, bt, eb, et, bs in np.asarray(meta)[:, :5].tolist():
         for i in range(bb, eb + 1):
             seqlen = int(lens[i])
-            end = min(et if i == eb else seqlen, seqlen)
-            begin = min(bt if i == bb else 0, end)
-            partials[i].append((bs if i == bb else 0, begin, end))
+            split = bs if i == bb else 0
+            last = split == num_splits[i + 1] - num_splits[i] - 1
+            end = min(et, seqlen) if i == eb and not last else seqlen
+            begin = min(bt if i == bb else 0, -(-end // PAGE_SIZE) * PAGE_SIZE)
+            partials[i].append((split, begin, end))
     for i, chunks in enumerate(partials):
         if sorted(split for split, _, _ in chunks) != list(range(num_splits[i + 1] - num_splits[i])):
             return False
@@ -370,34 +374,59 @@ def test_whole_sequence_budget_is_the_smallest(b, parts):
 
 
 def test_value_check_accepts_exactly_what_the_kernel_reads_right():
-    """check_sched_meta_values (the API's check of passed metadata, outside jit) against the kernel's reading:
-    a schedule passes for its own lengths, and for other lengths (a later step's, an earlier one's, another
-    batch's) exactly when the kernel would still read every key once."""
+    """check_sched_meta_values (the API's check of passed metadata, outside jit) against the kernel's reading: a
+    schedule passes for its own lengths and for other lengths (a later step's, an earlier one's, another batch's),
+    which the kernel reads right too, and an edited one (a chunk start moved by a page, a partition dropped)
+    exactly when the kernel would still read every key once."""
     rng = np.random.default_rng(2024)
-    outcomes = {True: 0, False: 0}
-    for trial in range(300):
+    outcomes = {kind: {True: 0, False: 0} for kind in ("later", "earlier", "other", "moved", "dropped")}
+    for trial in range(500):
         b = int(rng.choice([1, 2, 3, 5, 33, 100]))
         parts = int(rng.integers(1, 40))
         lens = rng.integers(0, 3000, b).astype(np.int32)
         lens[rng.random(b) < 0.1] = 0
         meta, splits = spec_walk(lens, parts)
+        meta = np.array(meta)
         check_sched_meta_values(meta, splits, lens)
-        kind = ("later", "earlier", "other")[trial % 3]
+        kind = tuple(outcomes)[trial % 5]
+        other = lens
         if kind == "later":  # a few decode steps on: some sequences grew
             other = lens + rng.integers(0, 3, b) * (rng.random(b) < 0.3)
         elif kind == "earlier":
             other = np.maximum(lens - rng.integers(0, 200, b), 0)
-        else:
+        elif kind == "other":
             other = rng.permutation(lens)
+        elif kind == "moved":
+            p = int(rng.integers(parts))
+            meta[p, 1] = max(meta[p, 1] + PAGE_SIZE * int(rng.choice([-1, 1])), 0)
+        else:
+            meta[int(rng.integers(parts)), :5] = [b, 0, b - 1, 0, 0]
         other = other.astype(np.int32)
         fits = kernel_reads_every_key_once(meta, splits, other)
-        outcomes[fits] += 1
+        outcomes[kind][fits] += 1
         if fits:
             check_sched_meta_values(meta, splits, other)
         else:
             with pytest.raises(ValueError, match=r"tile_scheduler_metadata does not fit cache_seqlens\[\d+\]"):
                 check_sched_meta_values(meta, splits, other)
-    assert min(outcomes.values()) > 50, outcomes
+    for kind in ("later", "earlier", "other"):
+        assert outcomes[kind][False] == 0, outcomes  # any schedule of the batch reads right
+    print(outcomes)
+    assert outcomes["moved"][False] > 30 and outcomes["dropped"][False] > 30, outcomes
+
+
+@pytest.mark.parametrize("schedule", stale_schedules.SCHEDULES, ids=lambda schedule: schedule.name)
+@pytest.mark.parametrize("rows", [16, 128])  # the GPU test's few-rows and 64-row kernels
+def test_stale_schedules_hold_their_hazards(schedule, rows):
+    """tests/stale_schedules.py's metadata of other lengths (the GPU test's) holds the hazards each schedule is there
+    for, and with it the kernel reads every key of the step's lengths once, as the eager check agrees."""
+    meta = schedule.metadata(rows, implementation="reference")
+    lens = stale_schedules.LENGTHS
+    held = stale_schedules.hazards_held(meta.tile_scheduler_metadata, meta.num_splits, lens)
+    assert set(schedule.hazards) <= held, held
+    splits = np.asarray(meta.num_splits)
+    assert kernel_reads_every_key_once(meta.tile_scheduler_metadata, splits, lens)
+    check_sched_meta_values(meta.tile_scheduler_metadata, splits, lens)
 
 
 def test_value_check_rejects_inconsistent_num_splits():

@@ -336,12 +336,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     warpgroup_commit_batch();
   };
 
-  // begin_split_idx is re-read from global memory at the epilogue: held in a
-  // register for the whole CTA it was the last value ptxas spilled.
-  SchedMeta walk = meta;
-  walk.begin_split_idx = 0;
   int it = 0;
-  for_each_chunk(p, walk, [&](const Chunk& c) {
+  for_each_chunk(p, meta, [&](const Chunk& c) {
     stamp(args, wg, it, event_trace::kChunkStart);
     load_q_ds(args, plan, c.batch, head_k, m_block, ctid, c.batch - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
@@ -544,11 +540,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         for (int v = 0; v < size(tOrOj); ++v) tOrOj(v) *= f;
       }
     }
-    Chunk ce = c;
-    ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
-    epilogue(p, plan, ce, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, p.softmax_scale, 1.f);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   });
 }

@@ -107,10 +107,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   const typename Tr::SmemLayoutPt layout_pt{};
   const uint32_t zero_row = smem_addr(plan.zeros);
 
-  // begin_split_idx is re-read from global memory at the epilogue (as in
-  // consumer_ds: no register held for the whole CTA).
-  SchedMeta walk = meta;
-  walk.begin_split_idx = 0;
   int it = 0;  // ring position of the chunk's first page (both WGs count every page)
   // Phase bit per stage of this WG's own k_full set: the WG waits on every
   // fill of that set in order, so a bit per stage is its whole state. (With
@@ -118,7 +114,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
   // parity of the previous one when the other WG's fill between them had not
   // landed yet: with 3 stages every second use of a slot was such a wait.)
   uint32_t full_phase_bits = 0;
-  for_each_chunk(p, walk, [&](const Chunk& c) {
+  for_each_chunk(p, meta, [&](const Chunk& c) {
     if constexpr (kGroups) {
       load_q_ds(args, plan, c.batch, head_k, 0, ctid, 0);
     } else {
@@ -382,9 +378,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_narrow(const SplitK
       CUTE_UNROLL
       for (int v = 0; v < size(tOrO); ++v) tOrO(v) *= norm[v / 16] * (1.f / Tr::kPNormalizer);
     }
-    Chunk ce = c;
-    ce.split_idx = c.batch == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
-    epilogue_narrow(p, plan, ce, head_k, wg, tid, num_pages > wg, m_ref, l_part, tOrO, logit_scale, scale_log2,
+    epilogue_narrow(p, plan, c, head_k, wg, tid, num_pages > wg, m_ref, l_part, tOrO, logit_scale, scale_log2,
                     out_scale);
   });
 }

@@ -98,7 +98,7 @@ struct SplitKvArgs {
 struct Chunk {
   int batch;
   int seqlen;       // cache_seqlens[batch]
-  int begin_token;  // multiple of the page size
+  int begin_token;  // multiple of the page size, at most end_token rounded up to one
   int end_token;    // exclusive
   int split_idx;    // index among the sequence's splits
 
@@ -109,15 +109,25 @@ struct Chunk {
 
 // Lengths are clamped to [0, block_table capacity]: under jit a bad length
 // cannot be rejected, and a page index past the table's row would read (and
-// TMA-load through) memory that is not this sequence's.
+// TMA-load through) memory that is not this sequence's. Metadata computed for
+// other lengths (an earlier decode step's, which nothing can check under jit)
+// still reads every key once: a sequence's last split ends at its length, and
+// a chunk that starts past the length starts at the page boundary after it
+// and touches no page (a start clamped to the length would re-read the page
+// the sequence ends in, which its previous split read). Being the last split
+// decides a chunk's end, so the producer and every consumer must see the same
+// split index: it is read from this CTA's partition (`meta`'s source) in
+// global memory, once a chunk, as held in a register for the whole CTA it was
+// what ptxas spilled in the consumers.
 __device__ __forceinline__ Chunk make_chunk(const DecodeParams& p, const SchedMeta& meta, int b) {
   const int capacity = p.max_blocks_per_seq * config::kPageSize;
   Chunk c;
   c.batch = b;
   c.seqlen = min(max(p.cache_seqlens[b], 0), capacity);
-  c.end_token = min(b == meta.end_batch ? meta.end_token : c.seqlen, c.seqlen);
-  c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_token);
-  c.split_idx = b == meta.begin_batch ? meta.begin_split_idx : 0;
+  c.split_idx = b == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+  const bool last_split = c.split_idx == p.num_splits[b + 1] - p.num_splits[b] - 1;
+  c.end_token = b == meta.end_batch && !last_split ? min(meta.end_token, c.seqlen) : c.seqlen;
+  c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_page() * config::kPageSize);
   return c;
 }
 
