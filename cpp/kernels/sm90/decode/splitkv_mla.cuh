@@ -411,9 +411,9 @@ struct SplitKvMlaKernel {
           mbarrier_init(&plan.k_empty[s], kNarrow ? 4 : kConsumers / 32);
         } else {
           for (int part = 0; part < 2; ++part) {
-            // The 4 warps of the part's warpgroup; with P in the RoPE slab
-            // (bf16), the right part also waits for WG0's.
-            mbarrier_init(&plan.k_empty[s][part], part == 1 && Tr::kPInRopeSlab ? 8 : 4);
+            // The 4 warps of the part's warpgroup; in the page-pair consumer
+            // the right part also waits for WG0's, whose S_A reads it.
+            mbarrier_init(&plan.k_empty[s][part], part == 1 && !kNarrow ? 8 : 4);
           }
         }
       }
