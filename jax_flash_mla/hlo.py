@@ -20,16 +20,71 @@ def collectives_in(hlo) -> list:
     return _COLLECTIVE_RE.findall(_text(hlo))
 
 
-def custom_call_operand(hlo, target: str, index: int) -> tuple:
-    """(name, shape) of the instruction that feeds operand `index` of the custom call to `target`."""
-    text = _text(hlo)
-    call = re.search(r"custom-call\(([^)]*)\), custom_call_target=\"" + re.escape(target) + '"', text)
-    if call is None:
+def _computations(text: str) -> dict:
+    """Computation name -> its instruction lines, from HLO text."""
+    blocks, name = {}, None
+    for line in text.splitlines():
+        head = re.match(r"(?:ENTRY )?(%[\w.-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            blocks[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            blocks[name].append(line)
+    return blocks
+
+
+def _instruction(line: str):
+    """(name, result type, opcode, operand names, argument text, attribute text) of an HLO instruction line, or
+    None for other lines."""
+    head = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = (.*)$", line)
+    if head is None:
+        return None
+    name, rest = head.groups()
+    if rest.startswith("("):  # a tuple's type: up to its closing parenthesis
+        depth = 0
+        for end, char in enumerate(rest):
+            depth += (char == "(") - (char == ")")
+            if depth == 0:
+                break
+        result, rest = rest[:end + 1], rest[end + 2:]
+    else:
+        result, rest = rest.split(" ", 1)
+    opcode, arguments = rest.split("(", 1)
+    arguments, attributes = arguments.split(")", 1)
+    return name, result, opcode, re.findall(r"%[\w.-]+", arguments), arguments, attributes
+
+
+def custom_call_operand_chain(hlo, target: str, index: int) -> list:
+    """(name, shape) of what feeds operand `index` of the custom call to `target`, followed outward: where that is a
+    parameter of a computation one other instruction calls (XLA:GPU puts kernels in command buffers, `call`s of
+    their own computation), the caller's operand next, until an instruction that computes or a parameter of the
+    entry or a loop body."""
+    computations = {c: [i for i in map(_instruction, lines) if i is not None]
+                    for c, lines in _computations(_text(hlo)).items()}
+    found = [(c, i) for c, body in computations.items() for i in body
+             if i[2] == "custom-call" and f'custom_call_target="{target}"' in i[5]]
+    if not found:
         raise ValueError(f"no custom call to {target!r} in the HLO (the kernel path was not lowered)")
-    operands = call.group(1)
-    name = re.findall(r"%[\w.-]+", operands)[index]
-    dims = re.search(re.escape(name) + r" = \w+\[([\d,]*)\]", text).group(1)
-    return name, tuple(int(d) for d in dims.split(",") if d)
+    computation, call = found[0]
+    name, chain = call[3][index], []
+    while True:
+        _, result, opcode, _, arguments, _ = next(i for i in computations[computation] if i[0] == name)
+        dims = re.match(r"\w+\[([\d,]*)\]", result).group(1)
+        chain.append((name, tuple(int(d) for d in dims.split(",") if d)))
+        callers = [(c, i) for c, body in computations.items() for i in body
+                   if re.search(r"(?:to_apply|calls)=" + re.escape(computation) + r"(?![\w.-])", i[5])]
+        if opcode != "parameter" or len(callers) != 1:
+            return chain
+        computation, caller = callers[0]
+        name = caller[3][int(arguments)]
+
+
+def custom_call_operand(hlo, target: str, index: int) -> tuple:
+    """(name, shape) of the instruction that feeds operand `index` of the custom call to `target`, through the
+    computations that wrap the call (custom_call_operand_chain's last entry)."""
+    return custom_call_operand_chain(hlo, target, index)[-1]
 
 
 def ops_producing(hlo, shape) -> set:

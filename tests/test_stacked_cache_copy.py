@@ -41,3 +41,35 @@ def test_custom_call_operand_names_a_missing_target():
     compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros(4)).compile()
     with pytest.raises(ValueError, match="no custom call to 'byte_sum'"):
         hlo.custom_call_operand(compiled, "byte_sum", 0)
+
+
+# XLA:GPU's shape of a scan step: the kernel in a command buffer (a computation of its own, `call`ed), the layer's
+# cache a slice of the loop's carried stack.
+_COMMAND_BUFFER_HLO = """HloModule step
+
+%command_buffer (p: s32[4,2], p.1: bf16[64,64,1,576]) -> (bf16[4,1,16,512], f32[4,16,1]) {
+  %p = s32[4,2]{1,0} parameter(0)
+  %p.1 = bf16[64,64,1,576]{3,2,1,0} parameter(1)
+  ROOT %custom-call.1 = (bf16[4,1,16,512]{3,2,1,0}, f32[4,16,1]{2,1,0}) custom-call(%p, %p.1), custom_call_target="decode", backend_config={}
+}
+
+%body (carry: (s32[], bf16[4,64,64,1,576])) -> (s32[], bf16[4,64,64,1,576]) {
+  %carry = (s32[], bf16[4,64,64,1,576]) parameter(0)
+  %stack = bf16[4,64,64,1,576]{4,3,2,1,0} get-tuple-element(%carry), index=1
+  %l = s32[] get-tuple-element(%carry), index=0
+  %dynamic-slice_fusion = bf16[64,64,1,576]{3,2,1,0} fusion(%stack, %l), kind=kLoop, calls=%fused_slice
+  %table = s32[4,2]{1,0} constant({...})
+  %call = (bf16[4,1,16,512]{3,2,1,0}, f32[4,16,1]{2,1,0}) call(%table, %dynamic-slice_fusion), to_apply=%command_buffer
+  ROOT %tuple = (s32[], bf16[4,64,64,1,576]) tuple(%l, %stack)
+}
+
+ENTRY %main (stack: bf16[4,64,64,1,576]) -> bf16[4,64,64,1,576] {
+  ROOT %stack.1 = bf16[4,64,64,1,576]{4,3,2,1,0} parameter(0)
+}
+"""
+
+
+def test_custom_call_operand_is_followed_out_of_the_computation_that_wraps_the_call():
+    assert hlo.custom_call_operand_chain(_COMMAND_BUFFER_HLO, "decode", 1) == [
+        ("%p.1", (64, 64, 1, 576)), ("%dynamic-slice_fusion", (64, 64, 1, 576))]
+    assert hlo.custom_call_operand(_COMMAND_BUFFER_HLO, "decode", 0) == ("%table", (4, 2))
