@@ -132,6 +132,7 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     return cache.at[(*layer_index, page, positions % PAGE_SIZE)].set(values, mode="drop")
 
 
+@jax.jit  # one program, not one per operation, when called eagerly
 def _quantize_ds_mla(kv):
     lead = kv.shape[:-1]
     nope = kv[..., :HEAD_DIM_V].astype(jnp.float32).reshape(*lead, NUM_SCALES, QUANT_TILE)
@@ -141,6 +142,7 @@ def _quantize_ds_mla(kv):
     return jnp.concatenate([nope_bytes, _bytes(scales), rope_bytes], axis=-1)
 
 
+@jax.jit  # one program, not one per operation, when called eagerly
 def _dequantize_ds_mla(cache):
     raw = jax.lax.bitcast_convert_type(cache, jnp.uint8)  # a no-op for uint8, reinterprets an e4m3 view
     lead = raw.shape[:-1]

@@ -170,6 +170,15 @@ def test_quantize_is_jittable(kv_format, scale_shape):
     np.testing.assert_array_equal(as_bytes(jitted), as_bytes(quantize_kv_cache(kv, kv_format, scale)))
 
 
+def test_ds_mla_eager_calls_are_one_program_each(compilations):
+    """Outside jit, fp8_ds_mla's quantization and dequantization each compile one XLA program for a new shape, where
+    their operations one by one took 39."""
+    kv = jax.device_put(wide_range_latent(np.random.default_rng(9), (3, 7, 576)))
+    cache = quantize_kv_cache(kv, "fp8_ds_mla")
+    dequantize_kv_cache(cache, "fp8_ds_mla", dtype=jnp.float32)
+    assert len(compilations) == 2
+
+
 # --- write_kv_cache -------------------------------------------------------------------------------------------
 
 

@@ -207,6 +207,20 @@ def test_jit_matches_eager(kv_format):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+def test_eager_call_is_one_program(kv_format, compilations):
+    """Outside jit the reference compiles one XLA program for a new shape, not one per operation (up to 78), and
+    none for a shape it has seen."""
+    inputs = make_decode_inputs(np.random.default_rng(5), b=2, s_q=3, h_q=5, h_kv=1, seqlens=[150, 9],
+                                kv_format=kv_format)
+    args, kwargs = inputs.kernel_args()
+    before = len(compilations)  # (making the inputs compiled some)
+    mla_decode_reference(*args, softmax_scale=SOFTMAX_SCALE, causal=True, **kwargs)
+    assert len(compilations) - before == 1
+    mla_decode_reference(*args, softmax_scale=SOFTMAX_SCALE, causal=True, **kwargs)
+    assert len(compilations) - before == 1
+
+
 def test_page_gain_scales_each_page_of_the_sequence():
     """The oracle's magnitude ramp (page_gain) scales page j of each sequence by the gain, before quantization."""
     kw = dict(b=2, s_q=1, h_q=4, h_kv=1, seqlens=np.array([200, 64], np.int32), kv_format="bf16")
