@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 
-import jax.numpy as jnp
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -125,7 +125,8 @@ class DecodeInputs:
 
     @functools.cached_property
     def _device_arrays(self):
-        return tuple(jnp.asarray(x) for x in (self.q, self.k_cache, self.block_table, self.cache_seqlens))
+        # device_put, not jnp.asarray: since jax 0.11 jnp.asarray of a numpy array compiles a program per shape.
+        return tuple(jax.device_put(x) for x in (self.q, self.k_cache, self.block_table, self.cache_seqlens))
 
     def kernel_args(self):
         """(args, kwargs) for mla_decode_reference or flash_mla_with_kvcache, minus softmax_scale and causal. The

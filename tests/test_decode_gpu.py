@@ -172,7 +172,7 @@ def _references(inp, causal):
     if inp.kv_format == "fp8_ds_mla":
         (_, *rest), kwargs = inp.kernel_args()
         # bf16, as the format's q must be: e4m3 codes times a power of two and the RoPE channels as given are exact.
-        rounded_q = jnp.asarray(round_q_like_ds_mla_kernel(inp.q), jnp.bfloat16)
+        rounded_q = jax.device_put(round_q_like_ds_mla_kernel(inp.q).astype(jnp.bfloat16))
         _, ref_lse = jax.block_until_ready(fm.mla_decode_reference(
             rounded_q, *rest, softmax_scale=SOFTMAX_SCALE, causal=causal, **kwargs))
     return ref_out, ref_lse
