@@ -105,7 +105,7 @@ if [[ $ext_info == available* ]]; then record extension ok; else record extensio
 if [[ ${SKIP_TESTS:-0} == 1 ]]; then
   record pytest "skipped (SKIP_TESTS=1)"
 else
-  read -r -a pytest_args <<< "${PYTEST_ARGS:--q -rP tests/test_decode_gpu.py tests/test_sched_meta.py tests/test_api.py}"
+  read -r -a pytest_args <<< "${PYTEST_ARGS:--q -rP --durations=8 tests/test_decode_gpu.py tests/test_sched_meta.py tests/test_api.py}"
   # Each worker is a JAX process: a share of the GPU's memory each instead of the default 75 % for the first.
   read -r workers mem_fraction < <("$PY" scripts/gpu_test_share.py)
   worker_env=()

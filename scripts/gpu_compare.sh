@@ -128,9 +128,10 @@ for i in "${!builds[@]}"; do
     k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
     read -r -a test_args <<< "${TEST_ARGS:-}"
     XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction JAX_FLASH_MLA_REQUIRE_GPU=1 \
-      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q tests/test_decode_gpu.py -k "$k" \
+      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q --durations=8 tests/test_decode_gpu.py -k "$k" \
       "${test_args[@]}" > "$logs/pytest_$tag.log" 2>&1
     line+=" tests rc=$? ($(tail -1 "$logs/pytest_$tag.log" | tr -d '=' | xargs));"
+    grep -m3 -E "^[0-9.]+s (call|setup)" "$logs/pytest_$tag.log" | sed "s/^/  $tag slowest test: /"
   fi
   if [[ -n $sanitize_bg ]]; then
     wait "$sanitize_bg"
