@@ -20,11 +20,11 @@ def collectives_in(hlo) -> list:
     return _COLLECTIVE_RE.findall(_text(hlo))
 
 
-def _computations(text: str) -> dict:
-    """Computation name -> its instruction lines, from HLO text."""
+def computations(hlo) -> dict:
+    """Computation name (without the %) -> its instruction lines, from compiled HLO text (or a Compiled)."""
     blocks, name = {}, None
-    for line in text.splitlines():
-        head = re.match(r"(?:ENTRY )?(%[\w.-]+) .*\{$", line)
+    for line in _text(hlo).splitlines():
+        head = re.match(r"(?:ENTRY )?%?([\w.-]+) \(.*\) -> .*\{\s*$", line)
         if head:
             name = head.group(1)
             blocks[name] = []
@@ -61,20 +61,19 @@ def custom_call_operand_chain(hlo, target: str, index: int) -> list:
     parameter of a computation one other instruction calls (XLA:GPU puts kernels in command buffers, `call`s of
     their own computation), the caller's operand next, until an instruction that computes or a parameter of the
     entry or a loop body."""
-    computations = {c: [i for i in map(_instruction, lines) if i is not None]
-                    for c, lines in _computations(_text(hlo)).items()}
-    found = [(c, i) for c, body in computations.items() for i in body
+    parsed = {c: [i for i in map(_instruction, lines) if i is not None] for c, lines in computations(hlo).items()}
+    found = [(c, i) for c, body in parsed.items() for i in body
              if i[2] == "custom-call" and f'custom_call_target="{target}"' in i[5]]
     if not found:
         raise ValueError(f"no custom call to {target!r} in the HLO (the kernel path was not lowered)")
     computation, call = found[0]
     name, chain = call[3][index], []
     while True:
-        _, result, opcode, _, arguments, _ = next(i for i in computations[computation] if i[0] == name)
+        _, result, opcode, _, arguments, _ = next(i for i in parsed[computation] if i[0] == name)
         dims = re.match(r"\w+\[([\d,]*)\]", result).group(1)
         chain.append((name, tuple(int(d) for d in dims.split(",") if d)))
-        callers = [(c, i) for c, body in computations.items() for i in body
-                   if re.search(r"(?:to_apply|calls)=" + re.escape(computation) + r"(?![\w.-])", i[5])]
+        callers = [(c, i) for c, body in parsed.items() for i in body
+                   if re.search(r"(?:to_apply|calls)=%?" + re.escape(computation) + r"(?![\w.-])", i[5])]
         if opcode != "parameter" or len(callers) != 1:
             return chain
         computation, caller = callers[0]

@@ -55,21 +55,6 @@ SMALL_MODEL = dict(layers=2, hidden=128, heads=8, q_rank=64, nope_dim=32, v_dim=
 # ----------------------------------------------------------------------------------------------------------------
 # HLO inspection
 
-def hlo_computations(text: str) -> dict:
-    """name -> instruction lines of each computation in HLO text."""
-    comps, current = {}, None
-    for line in text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$", line)
-        if header:
-            current = header.group(1)
-            comps[current] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    return comps
-
-
 def _callees(lines) -> set:
     text = "\n".join(lines)
     names = set(re.findall(r"(?:to_apply|body|condition|calls)=%?([\w.\-]+)", text))
@@ -80,7 +65,9 @@ def _callees(lines) -> set:
 
 def in_command_buffer(text: str, needle: str):
     """(command buffer computations found, whether an instruction containing `needle` runs inside one)."""
-    comps = hlo_computations(text)
+    from jax_flash_mla import hlo
+
+    comps = hlo.computations(text)
     roots = [name for name in comps if name.startswith("command_buffer")]
     seen, todo = set(), list(roots)
     while todo:

@@ -38,3 +38,27 @@ def test_a_custom_call_outside_every_command_buffer_is_seen():
     outside = CAPTURED.replace(
         "    000: kCommandBuffer [prev=000 (2)  | next=000 (2) ]\n", "    041: kGemm [source | sink]\n")
     assert check.thunk_custom_calls(outside) == (3, 1, 2)
+
+
+_NESTED_HLO = """HloModule step
+
+%inner (p: bf16[4]) -> bf16[4] {
+  %p = bf16[4]{0} parameter(0)
+  ROOT %custom-call.1 = bf16[4]{0} custom-call(%p), custom_call_target="decode"
+}
+
+%command_buffer (p.1: bf16[4]) -> bf16[4] {
+  %p.1 = bf16[4]{0} parameter(0)
+  ROOT %call = bf16[4]{0} call(%p.1), to_apply=%inner
+}
+
+ENTRY %main (x: bf16[4]) -> bf16[4] {
+  %x = bf16[4]{0} parameter(0)
+  ROOT %call.1 = bf16[4]{0} call(%x), to_apply=%command_buffer
+}
+"""
+
+
+def test_in_command_buffer_follows_calls_out_of_the_command_buffer():
+    assert check.in_command_buffer(_NESTED_HLO, 'custom_call_target="decode"') == (1, True)
+    assert check.in_command_buffer(_NESTED_HLO.replace("%command_buffer", "%other"), "decode") == (0, False)
