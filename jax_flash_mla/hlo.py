@@ -59,8 +59,8 @@ def _instruction(line: str):
 def custom_call_operand_chain(hlo, target: str, index: int) -> list:
     """(name, shape) of what feeds operand `index` of the custom call to `target`, followed outward: where that is a
     parameter of a computation one other instruction calls (XLA:GPU puts kernels in command buffers, `call`s of
-    their own computation), the caller's operand next, until an instruction that computes or a parameter of the
-    entry or a loop body."""
+    their own computation), the caller's operand next, and through bitcasts (views of the same bytes) to what they
+    view, until an instruction that computes or a parameter of the entry or a loop body."""
     parsed = {c: [i for i in map(_instruction, lines) if i is not None] for c, lines in computations(hlo).items()}
     found = [(c, i) for c, body in parsed.items() for i in body
              if i[2] == "custom-call" and f'custom_call_target="{target}"' in i[5]]
@@ -69,15 +69,27 @@ def custom_call_operand_chain(hlo, target: str, index: int) -> list:
     computation, call = found[0]
     name, chain = call[3][index], []
     while True:
-        _, result, opcode, _, arguments, _ = next(i for i in parsed[computation] if i[0] == name)
+        _, result, opcode, operands, arguments, _ = next(i for i in parsed[computation] if i[0] == name)
         dims = re.match(r"\w+\[([\d,]*)\]", result).group(1)
         chain.append((name, tuple(int(d) for d in dims.split(",") if d)))
+        if opcode == "bitcast":
+            name = operands[0]
+            continue
         callers = [(c, i) for c, body in parsed.items() for i in body
                    if re.search(r"(?:to_apply|calls)=%?" + re.escape(computation) + r"(?![\w.-])", i[5])]
         if opcode != "parameter" or len(callers) != 1:
             return chain
         computation, caller = callers[0]
         name = caller[3][int(arguments)]
+
+
+def opcode(hlo, name: str) -> str:
+    """The opcode of the instruction `name` (with its %; HLO names are unique in a module)."""
+    for lines in computations(hlo).values():
+        for i in filter(None, map(_instruction, lines)):
+            if i[0] == name:
+                return i[2]
+    raise ValueError(f"no instruction {name!r} in the HLO")
 
 
 def custom_call_operand(hlo, target: str, index: int) -> tuple:

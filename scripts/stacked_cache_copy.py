@@ -96,7 +96,8 @@ def operand(layout: str):
 def decode_operand(layout: str):
     """What feeds the bf16 decode kernel's k_cache in the layout's compiled step (a scan that writes a token into
     each layer's cache and attends over it), compiled for the default device: [(name, shape), ...] from the
-    kernel's operand out through the computations that wrap it (XLA:GPU's command buffers)."""
+    kernel's operand out through the computations that wrap it (XLA:GPU's command buffers) and bitcasts, and the
+    opcode of the last: a fusion computes a copy, a parameter or get-tuple-element is the scan's carried buffer."""
     blocks, b, h_q = 64, 4, 16
     table = jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)
     seqlens = jnp.full((b,), 100, jnp.int32)
@@ -121,7 +122,8 @@ def decode_operand(layout: str):
 
     shape = (blocks * LAYERS, 64, 1, 576) if layout == "page-major" else (LAYERS, blocks, 64, 1, 576)
     compiled = jax.jit(step, donate_argnums=0).lower(jnp.zeros(shape, jnp.bfloat16)).compile()
-    return hlo.custom_call_operand_chain(compiled, _ffi.decode_target("bf16"), 1)
+    chain = hlo.custom_call_operand_chain(compiled, _ffi.decode_target("bf16"), 1)
+    return chain, hlo.opcode(compiled, chain[-1][0])
 
 
 def main() -> None:
@@ -131,8 +133,9 @@ def main() -> None:
         print(f"{layout:<15} cache {shape}: the custom call's operand {name} of shape {operand_shape}")
     if "bf16" in fm.kernel_formats():
         for layout in LAYOUTS:
-            chain = " <- ".join(f"{name} {shape}" for name, shape in decode_operand(layout))
-            print(f"{layout:<15} bf16 decode on {jax.devices()[0].device_kind}: k_cache is {chain}")
+            chain, source = decode_operand(layout)
+            path = " <- ".join(f"{name} {shape}" for name, shape in chain)
+            print(f"{layout:<15} bf16 decode on {jax.devices()[0].device_kind}: k_cache is {path} ({source})")
 
 
 if __name__ == "__main__":

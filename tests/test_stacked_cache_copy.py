@@ -73,3 +73,22 @@ def test_custom_call_operand_is_followed_out_of_the_computation_that_wraps_the_c
     assert hlo.custom_call_operand_chain(_COMMAND_BUFFER_HLO, "decode", 1) == [
         ("%p.1", (64, 64, 1, 576)), ("%dynamic-slice_fusion", (64, 64, 1, 576))]
     assert hlo.custom_call_operand(_COMMAND_BUFFER_HLO, "decode", 0) == ("%table", (4, 2))
+
+
+# `layer=` on XLA:GPU: the stack with its leading dimensions merged is a bitcast of the loop's carried buffer.
+_MERGED_STACK_HLO = _COMMAND_BUFFER_HLO.replace(
+    "bf16[64,64,1,576]{3,2,1,0} parameter(1)", "bf16[256,64,1,576]{3,2,1,0} parameter(1)").replace(
+    "(p: s32[4,2], p.1: bf16[64,64,1,576])", "(p: s32[4,2], p.1: bf16[256,64,1,576])").replace(
+    "%dynamic-slice_fusion = bf16[64,64,1,576]{3,2,1,0} fusion(%stack, %l), kind=kLoop, calls=%fused_slice",
+    "%bitcast.3 = bf16[256,64,1,576]{3,2,1,0} bitcast(%stack)").replace(
+    "call(%table, %dynamic-slice_fusion)", "call(%table, %bitcast.3)")
+
+
+def test_custom_call_operand_is_followed_through_bitcasts_to_the_buffer_they_view():
+    assert "%dynamic-slice_fusion" not in _MERGED_STACK_HLO and "call(%table, %bitcast.3)" in _MERGED_STACK_HLO
+    assert hlo.custom_call_operand_chain(_MERGED_STACK_HLO, "decode", 1) == [
+        ("%p.1", (256, 64, 1, 576)), ("%bitcast.3", (256, 64, 1, 576)), ("%stack", (4, 64, 64, 1, 576))]
+    assert hlo.opcode(_MERGED_STACK_HLO, "%stack") == "get-tuple-element"
+    assert hlo.opcode(_COMMAND_BUFFER_HLO, "%dynamic-slice_fusion") == "fusion"
+    with pytest.raises(ValueError, match="no instruction '%nowhere'"):
+        hlo.opcode(_COMMAND_BUFFER_HLO, "%nowhere")
