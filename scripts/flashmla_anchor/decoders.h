@@ -1,0 +1,40 @@
+// The two bf16 decodes that main.cu times on the same inputs: FlashMLA's (flashmla_side.cu, compiled against a
+// FlashMLA checkout) and ours (our_side.cu, compiled against cpp/). Each side sees only its own headers (both
+// projects have a params.h); this interface is all they share.
+#pragma once
+
+#include <functional>
+
+#include <cuda_runtime.h>
+
+// One decode problem with h_kv = 1: q [b, s_q, h_q, 576] and the cache [b * max_pages, 64, 1, 576] bf16, the
+// block table [b, max_pages] int32 and the lengths [b] int32, all on the device.
+struct DecodeInputs {
+  int b, s_q, h_q, max_pages;
+  bool causal;
+  const void* q;
+  const void* k_cache;
+  const int* block_table;
+  const int* seqlens;
+  int num_sms;
+};
+
+// Where a decode writes: out [b, s_q, h_q, 512] bf16 (both kernels' layout for h_kv = 1) and lse float32 (natural
+// log) in the kernel's own order: FlashMLA's [b, s_q, h_q], ours [b, h_q, s_q] (main.cu reads each its way).
+struct DecodeOutputs {
+  void* out;
+  float* lse;
+};
+
+// A prepared decode: its scheduler metadata computed once (FlashMLA's benchmark also leaves get_mla_metadata out of
+// the timing), its scratch allocated; a call runs the split-KV kernel and then the combine on the stream.
+struct Decode {
+  std::function<void(cudaStream_t)> splitkv, combine;
+  void operator()(cudaStream_t stream) const {
+    splitkv(stream);
+    combine(stream);
+  }
+};
+
+Decode flashmla_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out);
+Decode our_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out);

@@ -1,0 +1,88 @@
+// Our bf16 decode, with the parameters cpp/ffi/decode.cc sets for h_kv = 1, and the metadata of our scheduler
+// (cpp/kernels/smxx/sched_meta.cu) over the partition count of jax_flash_mla/scheduler.py's num_sm_parts.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "decoders.h"
+
+#include "config.h"
+#include "kernels/sm90/decode/splitkv_mla.h"
+#include "kernels/smxx/combine.h"
+#include "kernels/smxx/sched_meta.h"
+#include "params.h"
+
+namespace {
+
+using namespace jax_flash_mla;
+
+struct Scratch {
+  SchedMeta* meta = nullptr;
+  int32_t* num_splits = nullptr;
+  float *lse_accum = nullptr, *o_accum = nullptr;
+  ~Scratch() {
+    cudaFree(meta);
+    cudaFree(num_splits);
+    cudaFree(lse_accum);
+    cudaFree(o_accum);
+  }
+};
+
+}  // namespace
+
+Decode our_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
+  constexpr int kDqk = config::kHeadDimQK, kDv = config::kHeadDimV;
+  const int rows = in.s_q * in.h_q;
+  const int m_blocks = (rows + config::kRowsPerTile - 1) / config::kRowsPerTile;
+  const int parts = std::max(in.num_sms / m_blocks, 1);
+  auto scratch = std::make_shared<Scratch>();
+  cudaMalloc(&scratch->meta, parts * sizeof(SchedMeta));
+  cudaMalloc(&scratch->num_splits, (in.b + 1) * sizeof(int32_t));
+  cudaMalloc(&scratch->lse_accum, size_t(in.b + parts) * rows * sizeof(float));
+  cudaMalloc(&scratch->o_accum, size_t(in.b + parts) * rows * kDv * sizeof(float));
+  SchedMetaParams sched{in.seqlens, scratch->meta, scratch->num_splits, in.b, parts, 0};
+  run_sched_meta(sched);
+
+  DecodeParams p{};
+  p.batch = in.b;
+  p.seqlen_q = in.s_q;
+  p.num_heads_q = in.h_q;
+  p.num_heads_k = 1;
+  p.heads_per_head_k = in.h_q;
+  p.q_rows_per_head_k = rows;
+  p.num_m_blocks = m_blocks;
+  p.num_sm_parts = parts;
+  p.causal = in.causal;
+  p.softmax_scale = 1.f / std::sqrt(float(kDqk));
+  p.softmax_scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
+  p.q = in.q;
+  p.q_head_stride = kDqk;
+  p.q_seq_stride = int64_t(in.h_q) * kDqk;
+  p.q_batch_stride = int64_t(rows) * kDqk;
+  p.k_cache = in.k_cache;
+  p.k_head_stride = kDqk;
+  p.k_token_stride = kDqk;
+  p.k_block_stride = int64_t(config::kPageSize) * kDqk;
+  p.num_blocks = in.b * in.max_pages;
+  p.block_table = in.block_table;
+  p.block_table_batch_stride = in.max_pages;
+  p.max_blocks_per_seq = in.max_pages;
+  p.cache_seqlens = in.seqlens;
+  p.out = out.out;
+  p.out_head_stride = kDv;
+  p.out_seq_stride = int64_t(in.h_q) * kDv;
+  p.out_batch_stride = int64_t(rows) * kDv;
+  p.lse = out.lse;
+  p.o_accum = scratch->o_accum;
+  p.lse_accum = scratch->lse_accum;
+  p.sched_meta = scratch->meta;
+  p.num_splits = scratch->num_splits;
+  return Decode{[p, scratch](cudaStream_t stream) mutable {
+                  p.stream = stream;
+                  sm90::run_splitkv_mla<config::KvFormat::kBf16>(p);
+                },
+                [p, scratch](cudaStream_t stream) mutable {
+                  p.stream = stream;
+                  run_combine(p);
+                }};
+}
