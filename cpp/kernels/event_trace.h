@@ -22,7 +22,7 @@ namespace jax_flash_mla::event_trace {
 
 // Buffer of uint64 words: stamps [cta][role][page][event], then per CTA kClockWords (clock64, globaltimer) pairs
 // at the producer's start and end, which convert cycles to nanoseconds.
-inline constexpr int kCtas = 16;    // CTAs (0, 0, z) with z < kCtas: query-row tile 0, KV head 0, partitions z
+inline constexpr int kCtas = 16;    // CTAs (x, 0, 0) with x < kCtas: KV head 0, query-row tile 0
 inline constexpr int kRoles = 3;    // consumer WG0, consumer WG1, producer
 inline constexpr int kPages = 256;  // ring positions (pages a CTA consumed so far, across chunks)
 inline constexpr int kEvents = 15;
@@ -84,8 +84,8 @@ enum ProducerEvent : int {
 // keeps the clock read after the compare on the loaded word (SASS: LDS, ISETP, CS2R, SEL), and issue is in order.
 __device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int event) {
   const uint32_t on = uint32_t(buf != nullptr) & uint32_t(threadIdx.x % 128 == 0) & uint32_t(blockIdx.y == 0) &
-                      uint32_t(blockIdx.x == 0) & uint32_t(blockIdx.z < kCtas) & uint32_t(uint32_t(page) < kPages);
-  const std::size_t idx = on ? ((std::size_t(blockIdx.z) * kRoles + role) * kPages + page) * kEvents + event : 0;
+                      uint32_t(blockIdx.z == 0) & uint32_t(blockIdx.x < kCtas) & uint32_t(uint32_t(page) < kPages);
+  const std::size_t idx = on ? ((std::size_t(blockIdx.x) * kRoles + role) * kPages + page) * kEvents + event : 0;
   asm volatile(
       "{\n .reg .pred p, q;\n .reg .u64 t;\n .reg .b32 a, v;\n mov.u32 a, 0;\n"
       " ld.volatile.shared.b32 v, [a];\n setp.ne.b32 q, v, 0x7f7f7f7f;\n"
@@ -97,11 +97,11 @@ __device__ __forceinline__ void stamp(uint64_t* buf, int role, int page, int eve
 
 // (clock64, globaltimer) into clock words `which` * 2 and + 1 of this CTA (the producer: 0 at start, 1 at end).
 __device__ __forceinline__ void stamp_clocks(uint64_t* buf, int which) {
-  if (buf == nullptr || blockIdx.z >= kCtas || blockIdx.y != 0 || blockIdx.x != 0) return;
+  if (buf == nullptr || blockIdx.x >= kCtas || blockIdx.y != 0 || blockIdx.z != 0) return;
   uint64_t clock, ns;
   asm volatile("mov.u64 %0, %%clock64;\n mov.u64 %1, %%globaltimer;\n" : "=l"(clock), "=l"(ns));
-  buf[kStampWords + blockIdx.z * kClockWords + 2 * which] = clock;
-  buf[kStampWords + blockIdx.z * kClockWords + 2 * which + 1] = ns;
+  buf[kStampWords + blockIdx.x * kClockWords + 2 * which] = clock;
+  buf[kStampWords + blockIdx.x * kClockWords + 2 * which + 1] = ns;
 }
 #endif
 

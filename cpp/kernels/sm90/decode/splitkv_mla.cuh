@@ -1,12 +1,10 @@
 // Hopper (sm_90a) split-KV MLA decode: the kernel skeleton and its host
 // launcher, templated on the cache format through Traits<kFormat>.
 //
-// Grid:  (num_m_blocks, num_heads_k, num_sm_parts); block: 384 threads.
-//   blockIdx.x  tile of 64 query rows of KV head hk;  blockIdx.y  KV head hk;
-//   blockIdx.z  partition ("SM part") of the scheduler metadata: a run of
-//               (batch, token range) chunks, DESIGN.md "Split-KV scheduling".
-//   The row tiles run fastest, so the CTAs that read the same pages (one per
-//   tile of a partition) are launched together, as FlashMLA launches them.
+// Grid:  (num_sm_parts, num_heads_k, num_m_blocks); block: 384 threads.
+//   blockIdx.x  partition ("SM part") of the scheduler metadata: a run of
+//               (batch, token range) chunks, DESIGN.md "Split-KV scheduling";
+//   blockIdx.y  KV head hk;  blockIdx.z  tile of 64 query rows of that head.
 // Warp roles:
 //   warps 0-3 (WG0), 4-7 (WG1)  consumers. bf16 / fp8_per_tensor (consumer()):
 //                               pages in pairs (A, B); WG0 computes S and the
@@ -126,7 +124,7 @@ __device__ __forceinline__ Chunk make_chunk(const DecodeParams& p, const SchedMe
   Chunk c;
   c.batch = b;
   c.seqlen = min(max(p.cache_seqlens[b], 0), capacity);
-  c.split_idx = b == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.z].begin_split_idx) : 0;
+  c.split_idx = b == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
   const bool last_split = c.split_idx == p.num_splits[b + 1] - p.num_splits[b] - 1;
   c.end_token = b == meta.end_batch && !last_split ? min(meta.end_token, c.seqlen) : c.seqlen;
   c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_page() * config::kPageSize);
@@ -395,7 +393,7 @@ struct SplitKvMlaKernel {
     Plan& plan = *reinterpret_cast<Plan*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
     const int warp = threadIdx.x / 32;
     const int head_k = blockIdx.y;
-    const int m_block = blockIdx.x;
+    const int m_block = blockIdx.z;
 
     if (threadIdx.x == 0) {
       for (int s = 0; s < Tr::kNumStages; ++s) {
@@ -448,7 +446,7 @@ struct SplitKvMlaKernel {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-    const SchedMeta meta = p.sched_meta[blockIdx.z];
+    const SchedMeta meta = p.sched_meta[blockIdx.x];
     if (meta.begin_batch > meta.end_batch) return;  // empty partition
 
     if (warp < kConsumers / 32) {
@@ -637,7 +635,7 @@ void run_splitkv_mla(const DecodeParams& params) {
   auto launch = [&](auto kernel, int smem_bytes) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "splitkv_mla",
                "cudaFuncSetAttribute");
-    launch_with_pdl(kernel, dim3(params.num_m_blocks, params.num_heads_k, params.num_sm_parts),
+    launch_with_pdl(kernel, dim3(params.num_sm_parts, params.num_heads_k, params.num_m_blocks),
                     dim3(decode_cfg::kNumThreads), smem_bytes, params.stream, "splitkv_mla", args);
   };
   if constexpr (Tr::kNarrowRows > 0) {
