@@ -27,15 +27,11 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
 
 // cp.async.bulk.tensor (PTX ISA "Data Movement: cp.async.bulk.tensor"): the
 // copy signals completion on `bar` with complete_tx of the box's byte count.
-// Cache pages stream through L2 once per row tile: their lines go in as
-// evict-first (createpolicy), so they displace each other rather than the
-// rest of L2 (FlashMLA's decode loads its pages the same way).
 __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
                                             int c0, int c1, int c2, int c3) {
   asm volatile(
-      "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-      " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2], policy;\n}\n" ::"r"(smem_addr(smem_dst)),
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
