@@ -26,6 +26,28 @@ struct DecodeOutputs {
   float* lse;
 };
 
+// Device scratch of a prepared decode: its scheduler metadata (`parts` rows of the side's own type) and split
+// counts, and the split-KV partials of `partial_rows` rows (splits x query rows) of 512 channels. Freed with the
+// last copy of the Decode that holds it.
+template <typename SchedMetaT>
+struct DecodeScratch {
+  SchedMetaT* meta = nullptr;
+  int* num_splits = nullptr;
+  float *lse_accum = nullptr, *o_accum = nullptr;
+  DecodeScratch(int parts, int batch, size_t partial_rows) {
+    cudaMalloc(&meta, parts * sizeof(SchedMetaT));
+    cudaMalloc(&num_splits, (batch + 1) * sizeof(int));
+    cudaMalloc(&lse_accum, partial_rows * sizeof(float));
+    cudaMalloc(&o_accum, partial_rows * 512 * sizeof(float));
+  }
+  ~DecodeScratch() {
+    cudaFree(meta);
+    cudaFree(num_splits);
+    cudaFree(lse_accum);
+    cudaFree(o_accum);
+  }
+};
+
 // A prepared decode: its scheduler metadata computed once (FlashMLA's benchmark also leaves get_mla_metadata out of
 // the timing), its scratch allocated; a call runs the split-KV kernel and then the combine on the stream.
 struct Decode {

@@ -15,19 +15,6 @@ namespace {
 
 constexpr int kHeadDim = 576, kHeadDimV = 512, kPage = 64;
 
-// Scratch of one prepared decode, freed with the last copy of its Decode.
-struct Scratch {
-  DecodingSchedMeta* meta = nullptr;
-  int* num_splits = nullptr;
-  float *lse_accum = nullptr, *o_accum = nullptr;
-  ~Scratch() {
-    cudaFree(meta);
-    cudaFree(num_splits);
-    cudaFree(lse_accum);
-    cudaFree(o_accum);
-  }
-};
-
 }  // namespace
 
 Decode flashmla_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
@@ -35,11 +22,7 @@ Decode flashmla_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
   // FlashMLA's partition count: SMs / h_kv / row tiles of 64.
   const int parts = std::max(in.num_sms / ((rows + 63) / 64), 1);
   const int total_splits = in.b + parts;
-  auto scratch = std::make_shared<Scratch>();
-  cudaMalloc(&scratch->meta, parts * sizeof(DecodingSchedMeta));
-  cudaMalloc(&scratch->num_splits, (in.b + 1) * sizeof(int));
-  cudaMalloc(&scratch->lse_accum, size_t(total_splits) * rows * sizeof(float));
-  cudaMalloc(&scratch->o_accum, size_t(total_splits) * rows * kHeadDimV * sizeof(float));
+  auto scratch = std::make_shared<DecodeScratch<DecodingSchedMeta>>(parts, in.b, size_t(total_splits) * rows);
   GetDecodeSchedMetaParams sched = {in.b, in.s_q, kPage, 5, -1, -1, nullptr, nullptr, const_cast<int*>(in.seqlens),
                                     scratch->meta, scratch->num_splits, parts, 0};
   smxx::decode::run_get_decoding_sched_meta_kernel(sched);

@@ -12,34 +12,14 @@
 #include "kernels/smxx/sched_meta.h"
 #include "params.h"
 
-namespace {
-
 using namespace jax_flash_mla;
-
-struct Scratch {
-  SchedMeta* meta = nullptr;
-  int32_t* num_splits = nullptr;
-  float *lse_accum = nullptr, *o_accum = nullptr;
-  ~Scratch() {
-    cudaFree(meta);
-    cudaFree(num_splits);
-    cudaFree(lse_accum);
-    cudaFree(o_accum);
-  }
-};
-
-}  // namespace
 
 Decode our_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
   constexpr int kDqk = config::kHeadDimQK, kDv = config::kHeadDimV;
   const int rows = in.s_q * in.h_q;
   const int m_blocks = (rows + config::kRowsPerTile - 1) / config::kRowsPerTile;
   const int parts = std::max(in.num_sms / m_blocks, 1);
-  auto scratch = std::make_shared<Scratch>();
-  cudaMalloc(&scratch->meta, parts * sizeof(SchedMeta));
-  cudaMalloc(&scratch->num_splits, (in.b + 1) * sizeof(int32_t));
-  cudaMalloc(&scratch->lse_accum, size_t(in.b + parts) * rows * sizeof(float));
-  cudaMalloc(&scratch->o_accum, size_t(in.b + parts) * rows * kDv * sizeof(float));
+  auto scratch = std::make_shared<DecodeScratch<SchedMeta>>(parts, in.b, size_t(in.b + parts) * rows);
   SchedMetaParams sched{in.seqlens, scratch->meta, scratch->num_splits, in.b, parts, 0};
   run_sched_meta(sched);
 
