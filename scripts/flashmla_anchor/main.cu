@@ -28,20 +28,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "../bench_ptx.h"  // CHECK, kPageTokens: the helpers of the other measurement tools in scripts/
 #include "decoders.h"
 
 namespace {
 
-constexpr int kHeadDim = 576, kHeadDimV = 512, kPage = 64;
-
-#define CHECK(call)                                                                                          \
-  do {                                                                                                       \
-    cudaError_t e_ = (call);                                                                                 \
-    if (e_ != cudaSuccess) {                                                                                 \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);          \
-      std::exit(1);                                                                                          \
-    }                                                                                                        \
-  } while (0)
+constexpr int kHeadDim = 576, kHeadDimV = 512, kPage = kPageTokens;
 
 // Standard-normal bf16 values from a counter hash (Box-Muller): the same data on every run.
 __global__ void fill_normal(__nv_bfloat16* x, size_t n, uint32_t seed) {
