@@ -7,11 +7,16 @@
 
 #include <cuda_runtime.h>
 
+// MLA's shapes, the same for both sides: 576 channels of q and K (512 latent + 64 RoPE), V = the first 512, pages
+// of 64 tokens.
+constexpr int kHeadDim = 576, kHeadDimV = 512, kPage = 64;
+
 // One decode problem with h_kv = 1: q [b, s_q, h_q, 576] and the cache [b * max_pages, 64, 1, 576] bf16, the
 // block table [b, max_pages] int32 and the lengths [b] int32, all on the device.
 struct DecodeInputs {
   int b, s_q, h_q, max_pages;
   bool causal;
+  float softmax_scale;
   const void* q;
   const void* k_cache;
   const int* block_table;
@@ -38,7 +43,7 @@ struct DecodeScratch {
     cudaMalloc(&meta, parts * sizeof(SchedMetaT));
     cudaMalloc(&num_splits, (batch + 1) * sizeof(int));
     cudaMalloc(&lse_accum, partial_rows * sizeof(float));
-    cudaMalloc(&o_accum, partial_rows * 512 * sizeof(float));
+    cudaMalloc(&o_accum, partial_rows * kHeadDimV * sizeof(float));
   }
   ~DecodeScratch() {
     cudaFree(meta);

@@ -11,12 +11,6 @@
 #include "smxx/decode/combine/combine.h"
 #include "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.h"
 
-namespace {
-
-constexpr int kHeadDim = 576, kHeadDimV = 512, kPage = 64;
-
-}  // namespace
-
 Decode flashmla_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
   const int rows = in.s_q * in.h_q;  // q_seq_per_hk: (s_q, head) order for one KV head
   // FlashMLA's partition count: SMs / h_kv / row tiles of 64.
@@ -27,7 +21,6 @@ Decode flashmla_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
                                     scratch->meta, scratch->num_splits, parts, 0};
   smxx::decode::run_get_decoding_sched_meta_kernel(sched);
 
-  const float scale = 1.f / std::sqrt(float(kHeadDim));
   DenseAttnDecodeParams p{};
   p.b = in.b;
   p.s_q = in.s_q;
@@ -39,8 +32,8 @@ Decode flashmla_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
   p.num_blocks = in.b * in.max_pages;
   p.q_head_per_hk = in.h_q;
   p.is_causal = in.causal && in.s_q > 1;  // FlashMLA's interface drops causal for s_q 1
-  p.scale_softmax = scale;
-  p.scale_softmax_log2 = scale * float(M_LOG2E);
+  p.scale_softmax = in.softmax_scale;
+  p.scale_softmax_log2 = in.softmax_scale * float(M_LOG2E);
   p.q_ptr = const_cast<void*>(in.q);
   p.k_ptr = const_cast<void*>(in.k_cache);
   p.o_ptr = out.out;

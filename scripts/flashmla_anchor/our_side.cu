@@ -1,7 +1,6 @@
 // Our bf16 decode, with the parameters cpp/ffi/decode.cc sets for h_kv = 1, and the metadata of our scheduler
 // (cpp/kernels/smxx/sched_meta.cu) over the partition count of jax_flash_mla/scheduler.py's num_sm_parts.
 #include <algorithm>
-#include <cmath>
 #include <memory>
 
 #include "decoders.h"
@@ -15,7 +14,7 @@
 using namespace jax_flash_mla;
 
 Decode our_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
-  constexpr int kDqk = config::kHeadDimQK, kDv = config::kHeadDimV;
+  static_assert(kHeadDim == config::kHeadDimQK && kHeadDimV == config::kHeadDimV && kPage == config::kPageSize);
   const int rows = in.s_q * in.h_q;
   const int m_blocks = (rows + config::kRowsPerTile - 1) / config::kRowsPerTile;
   const int parts = std::max(in.num_sms / m_blocks, 1);
@@ -33,25 +32,25 @@ Decode our_bf16_decode(const DecodeInputs& in, const DecodeOutputs& out) {
   p.num_m_blocks = m_blocks;
   p.num_sm_parts = parts;
   p.causal = in.causal;
-  p.softmax_scale = 1.f / std::sqrt(float(kDqk));
-  p.softmax_scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
+  p.softmax_scale = in.softmax_scale;
+  p.softmax_scale_log2 = static_cast<float>(static_cast<double>(in.softmax_scale) * 1.4426950408889634);
   p.q = in.q;
-  p.q_head_stride = kDqk;
-  p.q_seq_stride = int64_t(in.h_q) * kDqk;
-  p.q_batch_stride = int64_t(rows) * kDqk;
+  p.q_head_stride = kHeadDim;
+  p.q_seq_stride = int64_t(in.h_q) * kHeadDim;
+  p.q_batch_stride = int64_t(rows) * kHeadDim;
   p.k_cache = in.k_cache;
-  p.k_head_stride = kDqk;
-  p.k_token_stride = kDqk;
-  p.k_block_stride = int64_t(config::kPageSize) * kDqk;
+  p.k_head_stride = kHeadDim;
+  p.k_token_stride = kHeadDim;
+  p.k_block_stride = int64_t(kPage) * kHeadDim;
   p.num_blocks = in.b * in.max_pages;
   p.block_table = in.block_table;
   p.block_table_batch_stride = in.max_pages;
   p.max_blocks_per_seq = in.max_pages;
   p.cache_seqlens = in.seqlens;
   p.out = out.out;
-  p.out_head_stride = kDv;
-  p.out_seq_stride = int64_t(in.h_q) * kDv;
-  p.out_batch_stride = int64_t(rows) * kDv;
+  p.out_head_stride = kHeadDimV;
+  p.out_seq_stride = int64_t(in.h_q) * kHeadDimV;
+  p.out_batch_stride = int64_t(rows) * kHeadDimV;
   p.lse = out.lse;
   p.o_accum = scratch->o_accum;
   p.lse_accum = scratch->lse_accum;
