@@ -120,16 +120,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
     stamp(args, wg, i, event_trace::kSWaitStart);
-    // kRopeSlabApart: the RoPE slab's k-steps first for a right-first page (its slab lands first), else last.
-    auto rope_apart = [&](bool accumulate) __attribute__((always_inline)) {
-      if constexpr (Tr::kRopeSlabApart) {
-        mbarrier_wait(&plan.k_full[stage_of(i)][Tr::kRopeFull], phase_of(i));
-        warpgroup_arrive();
-        wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, accumulate, kRopeStep);
-      }
-    };
-    const bool rope_first = Tr::kRopeSlabApart && right_first;
-    if (rope_first) rope_apart(false);
     CUTE_UNROLL
     for (int n = 0; n < 2; ++n) {
       const int part = right_first ? 1 - n : n;
@@ -141,13 +131,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         }
         warpgroup_arrive();  // after every wait loop's branch, or ptxas serializes (C7520)
         const int slab = part * decode_cfg::kLeftSlabs + piece * Tr::kSlabsPerBox;
-        wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, rope_first || n + piece > 0, slab * kStepsPerSlab);
-        if (!Tr::kRopeSlabApart && part == 1 && piece == 0) {
-          wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kRopeStep);
-        }
+        wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, n + piece > 0, slab * kStepsPerSlab);
+        if (part == 1 && piece == 0) wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kRopeStep);
       }
     }
-    if (!rope_first) rope_apart(true);
     warpgroup_commit_batch();
   };
   // O_w (+)= P V_w with P from shared memory ...
@@ -422,7 +409,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_fence_operand(tSrS);
           stamp(args, 1, ia, event_trace::kPairSRetired);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
-          if constexpr (Tr::kRopeSlabApart) release_part(ib, Tr::kRopePart);  // S_B was its only reader
           CUTE_UNROLL
           for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
           mask(tSrSb, page + 1);
@@ -453,7 +439,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         warpgroup_fence_operand(tOrO);
         stamp(args, 1, ia, event_trace::kPairPvRetired);
         if constexpr (!Tr::kVNeedsTranspose) release(ia);
-        if constexpr (Tr::kRopeSlabApart) release_part(ia, Tr::kRopePart);  // P_A V_A,R read P_A there
         if (has_b) {
           if constexpr (Tr::kPInRopeSlab) {
             accumulate_own_page(tSrSb, ib, 1, factor, true);

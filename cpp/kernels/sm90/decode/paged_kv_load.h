@@ -47,9 +47,9 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
 }
 
 // Piece `piece` of a page's left (part 0: slabs 0-3, V channels 0-255) or
-// right (part 1: slabs 4-7, and the RoPE slab 8 unless Traits::kRopeSlabApart)
-// part: Traits::kSlabsPerBox slabs as one box of `slab_map` on the piece's full
-// barrier, and with the right part's first piece its RoPE slab, one box of `map`.
+// right (part 1: slabs 4-8) part: Traits::kSlabsPerBox slabs as one box of
+// `slab_map` on the piece's full barrier, and with the right part's first
+// piece its RoPE slab, one box of `map`.
 template <class Traits>
 __device__ __forceinline__ void load_kv_piece(const CUtensorMap* map, const CUtensorMap* slab_map, uint64_t* full_bar,
                                               typename Traits::Element* slot, int head_k, int block, int part,
@@ -58,20 +58,10 @@ __device__ __forceinline__ void load_kv_piece(const CUtensorMap* map, const CUte
   constexpr int kSlabBytes = kSlabElems * int(sizeof(typename Traits::Element));
   constexpr int kRope = decode_cfg::kSlabs - 1;
   const int first = part * decode_cfg::kLeftSlabs + piece * Traits::kSlabsPerBox;
-  const bool rope = !Traits::kRopeSlabApart && part == 1 && piece == 0;
+  const bool rope = part == 1 && piece == 0;
   mbarrier_arrive_expect_tx(full_bar, uint32_t((Traits::kSlabsPerBox + (rope ? 1 : 0)) * kSlabBytes));
   tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
   if (rope) tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
-}
-
-// The RoPE slab alone (Traits::kRopeSlabApart): one box of `map` on its own full barrier.
-template <class Traits>
-__device__ __forceinline__ void load_rope_slab(const CUtensorMap* map, uint64_t* full_bar,
-                                               typename Traits::Element* slot, int head_k, int block) {
-  constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
-  constexpr int kRope = decode_cfg::kSlabs - 1;
-  mbarrier_arrive_expect_tx(full_bar, uint32_t(kSlabElems * int(sizeof(typename Traits::Element))));
-  tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
 }
 
 // A page's part, so the consumers can start S on one part while the other

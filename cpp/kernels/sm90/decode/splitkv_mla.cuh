@@ -208,14 +208,6 @@ struct SplitKvMlaKernel {
           // Left part first: the consumers release it first and S starts on it;
           // with kBRightFirst the right part first for a pair's page B.
           const bool page_b = Tr::kBRightFirst && ((page - c.first_page()) & 1);
-          // kRopeSlabApart: page B's RoPE slab (free since S_B retired) goes first, page A's last.
-          auto load_rope = [&] {
-            if constexpr (Tr::kRopeSlabApart) {
-              mbarrier_wait(&plan.k_empty[stage][Tr::kRopePart], phase ^ 1);
-              load_rope_slab<Tr>(&args.k_map, &full[Tr::kRopeFull], plan.k[stage], head_k, block);
-            }
-          };
-          if (page_b) load_rope();
           for (int n = 0; n < 2; ++n) {
             const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
@@ -223,7 +215,6 @@ struct SplitKvMlaKernel {
             load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
                                   head_k, block, part);
           }
-          if (!page_b) load_rope();
         }
         if (page == c.first_page()) issue_q();
       }
@@ -410,7 +401,7 @@ struct SplitKvMlaKernel {
           if constexpr (Tr::kScaleGroups) {
             mbarrier_init(&full_barriers(plan, owner)[s], 1);
           } else {
-            for (int piece = 0; piece < 2 * Tr::kPiecesPerPart + (Tr::kRopeSlabApart ? 1 : 0); ++piece) {
+            for (int piece = 0; piece < 2 * Tr::kPiecesPerPart; ++piece) {
               mbarrier_init(&full_barriers(plan, owner)[s][piece], 1);
             }
           }
@@ -424,7 +415,6 @@ struct SplitKvMlaKernel {
             // the right part also waits for WG0's, whose S_A reads it.
             mbarrier_init(&plan.k_empty[s][part], part == 1 && !kNarrow ? 8 : 4);
           }
-          if constexpr (Tr::kRopeSlabApart) mbarrier_init(&plan.k_empty[s][Tr::kRopePart], 4);
         }
       }
       if constexpr (kQByTmaCapable) {

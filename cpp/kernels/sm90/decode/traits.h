@@ -172,13 +172,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  // The RoPE slab of a slot lands and goes back on barriers of its own (k_full[.][kRopeFull],
-  // k_empty[.][kRopePart]): page B's is read by S_B alone, so it is handed back when S_B retired and
-  // refilled ahead of the V halves, and the next S_B starts on it. Page B's refill after its last P V is
-  // then 32 KB instead of 40. (Page A's holds P_A: it goes back with A's right part.)
-  static constexpr bool kRopeSlabApart = true;
-  static constexpr int kRopeFull = 2 * kPiecesPerPart;  // its k_full index
-  static constexpr int kRopePart = 2;                   // its k_empty index: WG1's 4 warps
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -207,10 +200,10 @@ struct Traits<config::KvFormat::kBf16> {
     // Partial row sums at the end of a chunk, per warpgroup.
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     // Per slot: TMA landed, per piece of each part (part * kPiecesPerPart +
-    // piece; transaction barriers), then the RoPE slab's; per part (0: slabs
-    // 0-3, 1: slabs 4-7) and the RoPE slab (2), its readers are done with it.
-    alignas(8) uint64_t k_full[kNumStages][2 * kPiecesPerPart + 1];
-    alignas(8) uint64_t k_empty[kNumStages][3];
+    // piece; transaction barriers); per part (0: slabs 0-3, 1: slabs 4-8),
+    // the part's consumer WG (4 warps) is done with it.
+    alignas(8) uint64_t k_full[kNumStages][2 * kPiecesPerPart];
+    alignas(8) uint64_t k_empty[kNumStages][2];
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
@@ -280,7 +273,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
-  static constexpr bool kRopeSlabApart = false;  // the RoPE slab lands and goes back with the right part
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
