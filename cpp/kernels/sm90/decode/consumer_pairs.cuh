@@ -219,11 +219,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // the page's owner zeroes their V rows (all 512 channels) after its S
   // retired, before the ready barrier that lets the other WG read them.
   // (fp8_per_tensor zeroes them in the V^T transpose instead.)
-  // Returns whether there were any (the same answer in every thread).
   auto zero_stale_v = [&](int i, int page, const Chunk& c) {
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
-      if (first >= kBlockN) return false;
+      if (first >= kBlockN) return;
       Tensor sK = as_position_independent_swizzle_tensor(
           make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
@@ -231,9 +230,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         const int t = first + j / kPiecesPerRow;
         *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, (j % kPiecesPerRow) * 8))) = make_uint4(0, 0, 0, 0);
       }
-      return true;
     }
-    return false;
   };
   // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
   // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
@@ -258,7 +255,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     }
   };
   static_assert(Tr::kPInRopeSlab || Tr::kNumPTiles == 2, "P_A and P_B need tiles of their own");
-  static_assert(Tr::kPInRopeSlab != Tr::kVNeedsTranspose, "bf16's pair (P_A in the RoPE slab) or the FP8 one");
   auto publish_page = [&](const auto& tP, int i, int page, int page_role, const Chunk& c,
                           const float (&factor)[2], bool accumulate) __attribute__((always_inline)) {
     publish_p(tP, i, page, page_role, c);
@@ -430,45 +426,32 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
         }
+        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
+        // its last reader, the last pair's P_B V_B,L, retired before
+        // kPageAReady). P_A V_A,R retires before O is rescaled.
+        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
+        // gain from publishing it early: experiment pbearly, session 15.)
         if constexpr (Tr::kPInRopeSlab) {
-          // bf16: WG1's own P_B V_B,R goes on the tensor pipe before kPageBReady, so ahead of WG0's P_B V_B,L:
-          // its retirement hands back page B's right part, whose refill the next S_B waits for (session 38's
-          // traces). P_A V_A,R retires first (O_R is then rescaled to m_B), and page B's stale V rows are zeroed
-          // before either WG's P_B V reads them.
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          release(ia);
-          if (has_b) {
-            if (zero_stale_v(ib, page + 1, c)) {
-              fence_proxy_async_smem();
-              named_barrier_sync(NamedBarriers::kStaleVZeroed, 128);
-            }
-            accumulate_own_page(tSrSb, ib, 1, factor, true);
-            store_p(tSrSb, ib, 1);
-            stamp(args, 1, ib, event_trace::kPairStored);
-            fence_proxy_async_smem();
-            named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
-          }
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
           stamp(args, 1, ia, event_trace::kPairBReady);
-          if (has_b) {
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            release(ib);
-          }
-        } else {
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          if (has_b) {
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        stamp(args, 1, ia, event_trace::kPairPvRetired);
+        if constexpr (!Tr::kVNeedsTranspose) release(ia);
+        if (has_b) {
+          if constexpr (Tr::kPInRopeSlab) {
+            accumulate_own_page(tSrSb, ib, 1, factor, true);
+          } else {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
             stamp(args, 1, ia, event_trace::kPairBReady);
-            if (kEarlyS && next_has_b) {
-              issue_s(ib + 2, Tr::kBRightFirst);
-            } else {
-              warpgroup_wait<0>();
-              warpgroup_fence_operand(tOrO);
-            }
+          }
+          if (kEarlyS && next_has_b) {
+            issue_s(ib + 2, Tr::kBRightFirst);
+          } else {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            if constexpr (!Tr::kVNeedsTranspose) release(ib);
           }
         }
         stamp(args, 1, ia, event_trace::kPairEnd);

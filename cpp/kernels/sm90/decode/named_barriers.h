@@ -27,8 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  // bf16 page pairs: WG1 (128 threads) zeroed page B's stale V rows before its own P_B V_B,R reads them.
-  kStaleVZeroed = 12,
 };
 
 // The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).
