@@ -28,6 +28,14 @@ e4m3 x e4m3 or bf16 x bf16 products that occur here):
   "A-qrow": q quantized with one power-of-two scale per row (the largest of its four groups' amax / 448), so S
   factors as q_scale[r] * (RoPE' + sum_g k_scale[t,g] * T_g) and the promotion needs no per-group q factor.
   "A-exact-acc" is A without any accumulator cut; the column "vs A-exact" is |out - out(A-exact-acc)| / |truth|.
+* S ("shift", on paper in session 38): the NoPE bytes re-expressed at each token's largest scale kmax[t]: with
+  power-of-two scales, e4m3 * k_scale[t,g] / kmax[t] is an exponent shift by k = log2(kmax / k_scale) >= 0, exact
+  while the result stays normal. "S-bits" models a shift by a saturating byte subtraction of k from the exponent
+  field: a value whose exponent equals k keeps only its mantissa bits (a subnormal), a smaller one becomes 0.
+  "S-rne" rounds those to nearest instead (e4m3 of the exact product). q per row (as A-qrow); QK = one FP8
+  accumulator over the 16 NoPE k-steps, S = f32(RoPE + f32(q_scale[r] * kmax[t]) * T); P = e4m3(p * kmax[t] *
+  256 / N) in one tile, N the running max of kmax over the pages (a power of two); PV = one FP8 accumulator over
+  all pages, rescaled in fp32 when the row max or N moves (as A-PV-noprom), times N / 256 at the end.
 * B: QK as A; V = e4m3 * k_scale exactly representable in bf16; P = bf16(p); bf16 PV accumulated in float64.
 * C: q bf16, NoPE K dequantized to bf16 (exact); S rounded once to fp32; P bf16; bf16 PV (FlashMLA sparse-like).
 * out = bf16(f32(O / l)) for the kernel variants; lse = f32(log l + m).
@@ -221,8 +229,59 @@ def pv_bf16(p, m_run, v):
     return w @ v
 
 
+def shift_cache(ke, ks, mode):
+    """NoPE e4m3 values [t, 512] re-expressed at each token's largest scale: (values, kmax [t])."""
+    kmax = ks.max(axis=1)
+    ratio = np.repeat(ks / kmax[:, None], GROUP, axis=1)  # 2^-k per channel
+    x = ke * ratio
+    if mode == "rne":
+        return e4m3(x), kmax
+    ax = np.abs(x)
+    top = ratio == 1.0
+    # Exponent field e, shift k: e > k exact; e == k -> the mantissa bits as a subnormal (2 * (|x| - 2^-7)); e < k
+    # (and every subnormal input with k > 0) -> 0.
+    mantissa_only = np.sign(x) * 2.0 * (ax - 2.0 ** -7)
+    shifted = np.where(ax >= 2.0 ** -6, x, np.where((ax >= 2.0 ** -7) & (np.abs(ke) >= 2.0 ** -6), mantissa_only, 0.0))
+    return np.where(top, ke, shifted), kmax
+
+
+def variant_shift(q, ke, ks, rope, mode):
+    """(out, lse) of design S (docstring) on one sequence."""
+    acc = "acc14"
+    kv, kmax = shift_cache(ke, ks, mode)
+    qe, qs = quantize_q(q[:, :D_V], "row-pow2")
+    qe = qe.reshape(q.shape[0], D_V)
+    rope_part = f32(q[:, D_V:] @ rope.T)
+    t = ke.shape[0]
+    part = np.zeros((q.shape[0], t))
+    for j in range(D_V // KSTEP):
+        part = cut(part + cut(qe[:, j * KSTEP:(j + 1) * KSTEP] @ kv[:, j * KSTEP:(j + 1) * KSTEP].T, acc), acc)
+    s = f32(rope_part + f32(f32(qs[:, 0, None] * kmax[None, :]) * part))
+    p, m_run = online_p(s)
+    l = row_sum(p, m_run)
+    h = p.shape[0]
+    pages = t // PAGE
+    n_run = np.maximum.accumulate(kmax.reshape(pages, PAGE).max(axis=1))  # [pages], powers of two
+    f = f32(kmax * P_NORM / np.repeat(n_run, PAGE))
+    pt = e4m3(p * f[None, :])
+    o_scale = f32(np.exp(-np.diff(m_run, axis=1, prepend=m_run[:, :1])))
+    o = np.zeros((h, D_V))
+    prev = n_run[0]
+    per_page = PAGE // KSTEP
+    for pg_i in range(pages):
+        o = f32(o * f32(o_scale[:, pg_i, None] * (prev / n_run[pg_i])))
+        prev = n_run[pg_i]
+        for j in range(per_page):
+            c = pg_i * PAGE + j * KSTEP
+            o = cut(o + cut(pt[:, c:c + KSTEP] @ kv[c:c + KSTEP, :D_V], acc), acc)
+    o = f32(o * n_run[-1] / P_NORM)
+    return finish(o, l, m_run[:, -1])
+
+
 def variant(name, q, ke, ks, rope, kdeq):
     """(out, lse) of one kernel variant on one sequence."""
+    if name in ("S-bits", "S-rne"):
+        return variant_shift(q, ke, ks, rope, name[2:])
     if name == "C":
         s = f32(q @ kdeq.T)
         p, m_run = online_p(s)
@@ -244,13 +303,13 @@ def variant(name, q, ke, ks, rope, kdeq):
     return finish(o, l, m_run[:, -1])
 
 
-VARIANTS = ("A-exact-acc", "A", "A-rn14", "A-PV-noprom", "A-QK-noprom*", "A-f32-qscale", "A-noP-norm", "A-qrow", "B",
-            "C")
+VARIANTS = ("A-exact-acc", "A", "A-rn14", "A-PV-noprom", "A-QK-noprom*", "A-f32-qscale", "A-noP-norm", "A-qrow",
+            "S-bits", "S-rne", "B", "C")
 FLOORS = ("F0", "Fq", "F1")
 # The floor of the precision each variant computes in (the accuracy target's denominator).
 OWN_FLOOR = {"A": "F1", "A-f32-qscale": "F1", "A-exact-acc": "F1", "A-rn14": "F1", "A-PV-noprom": "F1",
-             "A-noP-norm": "F1", "A-QK-noprom*": "F1", "A-qrow": "F1", "B": "Fq", "C": "F0", "F0": "F0", "Fq": "Fq",
-             "F1": "F1"}
+             "A-noP-norm": "F1", "A-QK-noprom*": "F1", "A-qrow": "F1", "S-bits": "F1", "S-rne": "F1", "B": "Fq",
+             "C": "F0", "F0": "F0", "Fq": "Fq", "F1": "F1"}
 
 
 def floor(name, q, kdeq):

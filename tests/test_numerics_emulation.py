@@ -123,3 +123,27 @@ def test_oracle_rounded_q_is_exact_in_bfloat16():
     rounded = round_q_like_ds_mla_kernel(q)
     assert np.any(rounded[:, : emu.D_V] != q[:, : emu.D_V])  # the NoPE channels did change
     np.testing.assert_array_equal(rounded.astype(ml_dtypes.bfloat16).astype(np.float32), rounded)
+
+
+def _shift_e4m3_byte(b, k):
+    """Design S's exponent shift as an SM would run it on four bytes at once (docs/DESIGN.md, "Design S"): OR 0x80
+    into the byte, subtract k << 3 (no borrow can cross bytes), keep the low 7 bits where the top bit survived,
+    restore the sign."""
+    d = ((b | 0x80) - (k << 3)) & 0xFF
+    return (d & (0xFF if d & 0x80 else 0) & 0x7F) | (b & 0x80)
+
+
+def test_shift_model_is_the_byte_trick():
+    """S-bits' shift_cache gives, for every e4m3 value and every shift k, the byte the integer trick produces."""
+    values = np.arange(256, dtype=np.uint8)
+    values = values[(values & 0x7F) != 0x7F]  # e4m3fn NaNs
+    x = values.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    for k in range(16):
+        # One token whose group 0 has the largest scale (1) and group 1 a scale 2^-k below it.
+        ke = np.zeros((len(x), emu.D_V))
+        ke[:, emu.GROUP] = x
+        ks = np.tile([1.0, 2.0**-k, 1.0, 1.0], (len(x), 1))
+        got, kmax = emu.shift_cache(ke, ks, "bits")
+        want = np.array([_shift_e4m3_byte(int(b), k) for b in values], np.uint8).view(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(kmax, 1.0)
+        np.testing.assert_array_equal(got[:, emu.GROUP], want.astype(np.float64), err_msg=f"k = {k}")
