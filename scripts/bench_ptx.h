@@ -10,6 +10,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
 
 // The decode kernel's own mbarrier helpers and shared-window addresses (smem_addr, mbarrier_init, mbarrier_wait,
 // mbarrier_arrive_if, mbarrier_arrive_expect_tx, fence_mbarrier_init): the benches measure the same primitives.
@@ -66,6 +69,18 @@ __device__ __forceinline__ void tma_4d_hint(const CUtensorMap* map, uint64_t* ba
 __global__ void fill_kernel(uint32_t* p, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     p[i] = uint32_t(i * 2654435761u) ^ 0x3c3c3c3cu;  // not zeros: every byte varies
+}
+
+// A block table of `pages` entries in device memory: 0 .. pages - 1 in a shuffled order, the same on every run, so
+// that consecutive pages of a run lie apart in the cache, as a serving cache's do.
+inline int* shuffled_block_table(int pages) {
+  std::vector<int> table(pages);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(1234));
+  int* d_table = nullptr;
+  CHECK(cudaMalloc(&d_table, pages * sizeof(int)));
+  CHECK(cudaMemcpy(d_table, table.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
+  return d_table;
 }
 
 using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -179,12 +178,7 @@ int main() {
   // Distinct shuffled pages for every CTA's run: 132 x 128 pages of 64 rows (up to 1.2 GB at bf16's 1152 bytes),
   // far past the 50 MB L2.
   const int blocks = kCtas * kPages;
-  std::vector<int> table(blocks);
-  std::iota(table.begin(), table.end(), 0);
-  std::shuffle(table.begin(), table.end(), std::mt19937(1234));
-  int* d_table = nullptr;
-  CHECK(cudaMalloc(&d_table, blocks * sizeof(int)));
-  CHECK(cudaMemcpy(d_table, table.data(), blocks * sizeof(int), cudaMemcpyHostToDevice));
+  int* d_table = shuffled_block_table(blocks);
   const size_t max_bytes = size_t(blocks) * kPageTokens * 1152;
   void* cache = nullptr;
   CHECK(cudaMalloc(&cache, max_bytes));

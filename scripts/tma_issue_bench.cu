@@ -19,8 +19,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -123,12 +121,7 @@ int main() {
   const size_t bytes = size_t(num_blocks) * kPageTokens * kRowBytes;
   CHECK(cudaMalloc(&cache, bytes));
   fill_kernel<<<1024, 256>>>(static_cast<uint32_t*>(cache), bytes / 4);
-  std::vector<int> table(num_blocks);
-  std::iota(table.begin(), table.end(), 0);
-  std::shuffle(table.begin(), table.end(), std::mt19937(1234));
-  int* d_table = nullptr;
-  CHECK(cudaMalloc(&d_table, num_blocks * sizeof(int)));
-  CHECK(cudaMemcpy(d_table, table.data(), num_blocks * sizeof(int), cudaMemcpyHostToDevice));
+  int* d_table = shuffled_block_table(num_blocks);
   const int max_ctas = 132;
   long long* d_out = nullptr;
   const size_t per_cta = kPagesPerCta * 3 + 2;

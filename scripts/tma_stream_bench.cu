@@ -20,8 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -116,12 +114,7 @@ int main(int argc, char** argv) {
   EncodeFn enc = tensor_map_encoder();
   int clock_khz = 0;
   CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  std::vector<int> table(pages);
-  std::iota(table.begin(), table.end(), 0);
-  std::shuffle(table.begin(), table.end(), std::mt19937(1234));
-  int* d_table = nullptr;
-  CHECK(cudaMalloc(&d_table, pages * sizeof(int)));
-  CHECK(cudaMemcpy(d_table, table.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
+  int* d_table = shuffled_block_table(pages);
   const size_t max_bytes = size_t(pages) * kPageTokens * 1152;  // bf16's rows are the longest
   void* cache = nullptr;
   CHECK(cudaMalloc(&cache, max_bytes));
