@@ -34,8 +34,7 @@ import csv, sys
 out = sys.argv[1]
 wanted = ("SM Frequency", "Elapsed Cycles", "Duration", "Compute (SM) Throughput", "L2 Cache Throughput",
           "DRAM Throughput", "L2 Hit Rate", "Executed Instructions", "Executed Ipc Active", "Issue Slots Busy",
-          "Active Warps Per Scheduler", "Eligible Warps Per Scheduler", "Warp Cycles Per Issued Instruction",
-          "Registers Per Thread")
+          "Active Warps Per Scheduler", "Eligible Warps Per Scheduler", "Warp Cycles Per Issued Instruction")
 table = {}
 for side in ("flashmla", "ours"):
     for row in csv.DictReader(open(f"{out}/{side}_details.csv")):
