@@ -443,19 +443,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
         // gain from publishing it early: experiment pbearly, session 15.)
         if constexpr (Tr::kPInRopeSlab) {
-          // bf16: P_A V_A,R has retired under the softmax of B, so page A's right part goes back before P_B is
-          // published, and its refill leaves the TMA unit free sooner for page B's.
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
-          release(ia);
           if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
           stamp(args, 1, ia, event_trace::kPairBReady);
-        } else {
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 1, ia, event_trace::kPairPvRetired);
         }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        stamp(args, 1, ia, event_trace::kPairPvRetired);
+        if constexpr (!Tr::kVNeedsTranspose) release(ia);
         if (has_b) {
           if constexpr (Tr::kPInRopeSlab) {
             accumulate_own_page(tSrSb, ib, 1, factor, true);
