@@ -373,9 +373,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           }
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
-          // bf16: WG1's P_B V_B,R goes on the tensor pipe first; its retirement hands back page B's right part,
-          // whose refill WG1's next S waits for (session 38's traces of relA).
-          if constexpr (Tr::kPInRopeSlab) named_barrier_sync_unaligned(NamedBarriers::kBRightPvIssued, kConsumers);
           issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
             issue_s(ib + 1, false);
@@ -453,7 +450,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (has_b) {
           if constexpr (Tr::kPInRopeSlab) {
             accumulate_own_page(tSrSb, ib, 1, factor, true);
-            named_barrier_arrive_unaligned(NamedBarriers::kBRightPvIssued, kConsumers);
           } else {
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
             stamp(args, 1, ia, event_trace::kPairBReady);

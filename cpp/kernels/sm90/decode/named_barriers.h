@@ -27,8 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  // bf16 page pairs: WG1 issued its P_B V_B,R (WG1 arrives, WG0 waits), so WG0's P_B V_B,L queues behind it.
-  kBRightPvIssued = 12,
 };
 
 // The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).
@@ -50,11 +48,6 @@ __device__ __forceinline__ void named_barrier_sync_unaligned(NamedBarriers id, i
   asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");
 }
 
-// Arrives on a named barrier without waiting (barrier.arrive, unaligned as above): an ordering signal that hands
-// off no data, so the arriving side need not wait for the waiting one.
-__device__ __forceinline__ void named_barrier_arrive_unaligned(NamedBarriers id, int num_threads) {
-  asm volatile("barrier.arrive %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(num_threads) : "memory");
-}
 // Makes this thread's generic-proxy shared-memory writes (st.shared) visible
 // to the async proxy (WGMMA operand reads, TMA): PTX ISA "membar/fence",
 // fence.proxy.async. Each writing thread issues it before the barrier that
