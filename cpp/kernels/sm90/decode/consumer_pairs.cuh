@@ -336,14 +336,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         publish_page(tSrS, ia, page, 0, c, factor, accumulate);
         stamp(args, 0, ia, event_trace::kPairAReady);
         accumulate = true;
-        if constexpr (!Tr::kVNeedsTranspose) {
-          // bf16: P_A V_A,L is WG0's last read of A's left part. Retired here, before WG0 waits at kPageBReady
-          // for WG1's softmax of B, the part goes back ~0.5 us sooner and the next page A lands before its S.
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 0, ia, event_trace::kPairPvRetired);
-          release(ia);
-        }
         if (has_b) {
           // ------------------------------------------ WG0: page B's left half
           if constexpr (Tr::kVNeedsTranspose) {
@@ -366,11 +358,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           // WG0 never reads page B's right part (P_B has its own tile); all
           // arrivals for the slot's last page came before this barrier.
           if constexpr (!Tr::kVNeedsTranspose) release_part(ib, 1);
-          if constexpr (Tr::kVNeedsTranspose) {
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            stamp(args, 0, ia, event_trace::kPairPvRetired);
-          }
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          stamp(args, 0, ia, event_trace::kPairPvRetired);
+          if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
@@ -381,10 +372,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
           }
-        } else if constexpr (Tr::kVNeedsTranspose) {
+        } else {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           stamp(args, 0, ia, event_trace::kPairPvRetired);
+          if constexpr (!Tr::kVNeedsTranspose) release(ia);
         }
         stamp(args, 0, ia, event_trace::kPairEnd);
       }
