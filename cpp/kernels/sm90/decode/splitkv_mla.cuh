@@ -212,9 +212,8 @@ struct SplitKvMlaKernel {
             const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-            uint64_t* landed = &full[part * Tr::kPiecesPerPart];
-            if constexpr (kShiftsNope) landed = &plan.k_landed[stage][part];
-            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, landed, plan.k[stage], head_k, block, part);
+            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
+                                  head_k, block, part);
           }
         }
         if (page == c.first_page()) issue_q();
@@ -222,46 +221,6 @@ struct SplitKvMlaKernel {
       ++chunk;
     });
     stamp_clocks(args, 1);
-  }
-
-  // Experiment ptshift: whether the producer warpgroup's warps 1-3 shift each landed part (Traits::kShiftByProducer;
-  // not the few-rows kernel, whose plan has no k_landed).
-  static constexpr bool kShiftsNope = !kNarrow && Traits<kFormat>::kShiftByProducer;
-  // Warps 1-3 of the producer warpgroup (96 threads, `t` 0..95), in the producer's page order: each part's V slabs
-  // (16 KB: slabs 4 part .. 4 part + 3) through design S's byte shift once its TMA landed, then the part goes to the
-  // consumers (k_full counts the three warps).
-  __device__ static void shift_parts(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int t) {
-    constexpr int kPartBytes = decode_cfg::kLeftSlabs * config::kPageSize * Tr::kTmaBoxElems;
-    constexpr int kThreads = 96;
-    int it = 0;
-    for_each_chunk(args.params, meta, [&](const Chunk& c) {
-      for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
-        const int stage = it % Tr::kNumStages;
-        const uint32_t phase = (it / Tr::kNumStages) & 1;
-        for (int part = 0; part < 2; ++part) {
-          mbarrier_wait(&plan.k_landed[stage][part], phase);
-          // k << 3 in every byte. 0 here (batch < 2^31), from a kernel argument so that ptxas keeps the
-          // subtraction a real shift has.
-          const uint32_t kk = (uint32_t(args.params.batch) >> 31) * 0x08080808u;
-          const uint32_t base = smem_addr(plan.k[stage]) + uint32_t(part * kPartBytes);
-#pragma unroll 1
-          for (int i = t; i < kPartBytes / 16; i += kThreads) {
-            uint4 w;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                         : "r"(base + 16 * i));
-            w = make_uint4(shift_e4m3x4(w.x, kk), shift_e4m3x4(w.y, kk), shift_e4m3x4(w.z, kk),
-                           shift_e4m3x4(w.w, kk));
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + 16 * i), "r"(w.x), "r"(w.y),
-                         "r"(w.z), "r"(w.w)
-                         : "memory");
-          }
-          fence_proxy_async_smem();  // the shifted bytes are read by WGMMA (async proxy)
-          __syncwarp();
-          mbarrier_arrive_if(&plan.k_full[stage][part], t % 32 == 0);
-        }
-      }
-    });
   }
 
   // The producer's TMA of a chunk's Q tile: nine boxes of 64 channels x 64
@@ -443,10 +402,7 @@ struct SplitKvMlaKernel {
             mbarrier_init(&full_barriers(plan, owner)[s], 1);
           } else {
             for (int piece = 0; piece < 2 * Tr::kPiecesPerPart; ++piece) {
-              mbarrier_init(&full_barriers(plan, owner)[s][piece], kShiftsNope ? 3 : 1);
-            }
-            if constexpr (kShiftsNope) {
-              for (int part = 0; part < 2; ++part) mbarrier_init(&plan.k_landed[s][part], 1);
+              mbarrier_init(&full_barriers(plan, owner)[s][piece], 1);
             }
           }
         }
@@ -511,9 +467,6 @@ struct SplitKvMlaKernel {
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
       if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
-      if constexpr (kShiftsNope) {
-        if (threadIdx.x >= kConsumers + 32) shift_parts(args, plan, meta, threadIdx.x - kConsumers - 32);
-      }
     }
   }
 };

@@ -172,7 +172,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  static constexpr bool kShiftByProducer = false;  // experiment ptshift (fp8_per_tensor's traits)
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -274,10 +273,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
-  // Experiment ptshift (session 38): the producer warpgroup's warps 1-3 run design S's in-place exponent shift
-  // (DESIGN.md, "Design S"; here with k = 0, an identity the compiler cannot see) over each part's V slabs between
-  // its TMA landing (k_landed) and the consumers' k_full: what that shift costs fp8_per_tensor's page pairs.
-  static constexpr bool kShiftByProducer = true;
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
@@ -304,7 +299,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    alignas(8) uint64_t k_landed[kNumStages][2];  // kShiftByProducer: a part's TMA landed (k_full: shifted)
     // The Q tile by the producer's TMA (SplitKvArgs::q_by_tma): landed; every consumer warp done with it.
     alignas(8) uint64_t q_full, q_empty;
   };
@@ -361,7 +355,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
-  static constexpr bool kShiftByProducer = false;  // experiment ptshift (fp8_per_tensor's traits)
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
