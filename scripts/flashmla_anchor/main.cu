@@ -4,6 +4,8 @@
 // compiles this against a checkout of github.com/deepseek-ai/FlashMLA (no GPU needed) into
 // .carry_fmla/flashmla_anchor; carry that folder to the GPU machine and run
 //   .carry_fmla/flashmla_anchor [M1,C1,C2] [repeats]
+// (ab.sh here runs several builds of it alternately and prints their ratios to FlashMLA; ncu_compare.sh profiles
+// both split-KV kernels under Nsight Compute.)
 // Per shape (batch 128, s_k 8192, h_kv 1; M1 = h_q 16, s_q 1; C1 = h_q 128, s_q 1; C2 = h_q 128, s_q 2, causal),
 // with standard-normal q and cache and a shuffled block table as our bench has:
 //   - both decodes' outputs are compared (max |difference| and rel-L2 of out, max |difference| of lse; a rel-L2
