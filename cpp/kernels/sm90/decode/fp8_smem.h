@@ -18,16 +18,6 @@
 
 namespace jax_flash_mla::sm90 {
 
-// Design S's exponent shift of four e4m3 bytes (DESIGN.md, "Design S"): each byte times 2^-k, with kk = (k << 3) in
-// every byte. OR 0x80 into each byte and subtract kk (no borrow crosses a byte); where the top bit survived (PRMT
-// 0xba98 replicates it), the low 7 bits are the shifted magnitude, else 0; the sign is kept.
-__device__ __forceinline__ uint32_t shift_e4m3x4(uint32_t w, uint32_t kk) {
-  const uint32_t d = (w | 0x80808080u) - kk;
-  uint32_t keep;
-  asm("prmt.b32 %0, %1, 0, 0xba98;\n" : "=r"(keep) : "r"(d));
-  return (d & keep & 0x7f7f7f7fu) | (w & 0x80808080u);
-}
-
 // Token order inside V^T rows and P columns ("p_column" below). The V^T
 // transpose moves tokens in pairs (ldmatrix .trans works on 16-bit
 // elements), so within each group of 16 tokens token u lands at column
@@ -245,18 +235,9 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
   // may pass stores to V^T, a different buffer.
   constexpr int kBlocks = 8, kBatch = Tr::kTransposeBatch;
   static_assert(kBlocks % kBatch == 0, "whole batches");
-  // Experiment ctshift: design S's shift of each loaded block, stored back in place (stmatrix .trans through the
-  // ldmatrix addresses) before the PRMTs. One kk word per 16-token block, read from the zero row: 0 at run time,
-  // so every byte keeps its value, at the instruction cost design S's real shift would have.
-  uint32_t kk[4] = {0, 0, 0, 0};
-  if constexpr (Tr::kShiftInTranspose) {
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(kk[0]), "=r"(kk[1]), "=r"(kk[2]), "=r"(kk[3])
-                 : "r"(zero_row));
-  }
   CUTE_UNROLL
   for (int first = 0; first < kBlocks; first += kBatch) {
-    uint32_t d[kBatch][4], from_of[kBatch];
+    uint32_t d[kBatch][4];
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {
       const int h = (first + b) / 4, k = (first + b) % 4;
@@ -265,16 +246,10 @@ __device__ __forceinline__ void transpose_v(const typename Tr::Element* k_slot, 
                    : "=r"(d[b][0]), "=r"(d[b][1]), "=r"(d[b][2]), "=r"(d[b][3])
                    : "r"(from)
                    : "memory");  // stays after the k_full wait
-      from_of[b] = from;
     }
     CUTE_UNROLL
     for (int b = 0; b < kBatch; ++b) {
       const int h = (first + b) / 4, k = (first + b) % 4;
-      if constexpr (Tr::kShiftInTranspose) {
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) d[b][j] = shift_e4m3x4(d[b][j], kk[k]);
-        stmatrix_x4_trans(from_of[b], d[b][0], d[b][1], d[b][2], d[b][3]);
-      }
       const uint32_t o0 = prmt(d[b][0], d[b][1], lane.sel_first), o1 = prmt(d[b][0], d[b][1], lane.sel_second);
       const uint32_t o2 = prmt(d[b][2], d[b][3], lane.sel_first), o3 = prmt(d[b][2], d[b][3], lane.sel_second);
       stmatrix_x4(vt_base + (lane.st_offset ^ uint32_t(16 * k)) + h * kVtChannelStep, o0, o1, o2, o3);

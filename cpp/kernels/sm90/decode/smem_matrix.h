@@ -16,13 +16,4 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
-// The same with .trans: an ldmatrix.x4.trans's registers stored back through the same row addresses restore the
-// bytes where they were loaded (experiment ctshift: design S's in-place shift inside the V^T transpose).
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                                  uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
 }  // namespace jax_flash_mla::sm90

@@ -270,9 +270,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
-  // Experiment ctshift (session 39): design S's in-place shift inside the consumers' V^T transposes (k = 0 at run
-  // time): what the shift's instructions cost fp8_per_tensor's page pairs when the consumers run it.
-  static constexpr bool kShiftInTranspose = true;
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
@@ -377,7 +374,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
-  static constexpr bool kShiftInTranspose = false;  // experiment ctshift (fp8_per_tensor's traits)
   // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
   static constexpr int kNarrowRows = 16;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
