@@ -115,38 +115,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   static_assert(kStepsPerSlab * decode_cfg::kSlabs == kSteps, "k-steps per slab");
   constexpr int kPieceSteps = Tr::kSlabsPerBox * kStepsPerSlab;
   constexpr int kRopeStep = (decode_cfg::kSlabs - 1) * kStepsPerSlab;
-  // Experiment ownshift: this WG shifts part `part` of page i's NoPE slabs in place (design S; kk = 0 at run time,
-  // read from the zero row, so the bytes keep their values), fences them for WGMMA and syncs its 128 threads.
-  auto shift_part = [&](int i, int part) __attribute__((always_inline)) {
-    if constexpr (Tr::kShiftBeforeS) {
-      constexpr int kPartBytes = decode_cfg::kLeftSlabs * kBlockN * Tr::kTmaBoxElems;
-      constexpr int kPerThread = kPartBytes / 16 / 128, kBatch = 4;
-      static_assert(kPerThread % kBatch == 0, "whole batches");
-      const uint32_t base = smem_addr(plan.k[stage_of(i)]) + uint32_t(part * kPartBytes) + 16u * uint32_t(tid);
-      uint32_t kk;
-      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kk) : "r"(smem_addr(plan.zeros)));
-      CUTE_UNROLL
-      for (int j0 = 0; j0 < kPerThread; j0 += kBatch) {
-        uint32_t w[kBatch][4];
-        CUTE_UNROLL
-        for (int b = 0; b < kBatch; ++b) {
-          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(w[b][0]), "=r"(w[b][1]), "=r"(w[b][2]), "=r"(w[b][3])
-                       : "r"(base + 2048u * uint32_t(j0 + b))
-                       : "memory");
-        }
-        CUTE_UNROLL
-        for (int b = 0; b < kBatch; ++b) {
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + 2048u * uint32_t(j0 + b)),
-                       "r"(shift_e4m3x4(w[b][0], kk)), "r"(shift_e4m3x4(w[b][1], kk)),
-                       "r"(shift_e4m3x4(w[b][2], kk)), "r"(shift_e4m3x4(w[b][3], kk))
-                       : "memory");
-        }
-      }
-      fence_proxy_async_smem();
-      named_barrier_sync(wg_barrier(NamedBarriers::kShifted0, wg), 128);
-    }
-  };
   auto issue_s = [&](int i, bool right_first) __attribute__((always_inline)) {
     Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
@@ -161,7 +129,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (piece == Tr::kPiecesPerPart - 1) {
           stamp(args, wg, i, part == 0 ? event_trace::kSLeftLanded : event_trace::kSRightLanded);
         }
-        if constexpr (Tr::kShiftBeforeS) shift_part(i, part);
         warpgroup_arrive();  // after every wait loop's branch, or ptxas serializes (C7520)
         const int slab = part * decode_cfg::kLeftSlabs + piece * Tr::kSlabsPerBox;
         wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, n + piece > 0, slab * kStepsPerSlab);

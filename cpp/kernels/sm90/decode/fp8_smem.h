@@ -18,16 +18,6 @@
 
 namespace jax_flash_mla::sm90 {
 
-// Design S's exponent shift of four e4m3 bytes (DESIGN.md, "Design S"): each byte times 2^-k, with kk = (k << 3) in
-// every byte. OR 0x80 into each byte and subtract kk (no borrow crosses a byte); where the top bit survived (PRMT
-// 0xba98 replicates it), the low 7 bits are the shifted magnitude, else 0; the sign is kept.
-__device__ __forceinline__ uint32_t shift_e4m3x4(uint32_t w, uint32_t kk) {
-  const uint32_t d = (w | 0x80808080u) - kk;
-  uint32_t keep;
-  asm("prmt.b32 %0, %1, 0, 0xba98;\n" : "=r"(keep) : "r"(d));
-  return (d & keep & 0x7f7f7f7fu) | (w & 0x80808080u);
-}
-
 // Token order inside V^T rows and P columns ("p_column" below). The V^T
 // transpose moves tokens in pairs (ldmatrix .trans works on 16-bit
 // elements), so within each group of 16 tokens token u lands at column

@@ -27,7 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  kShifted0 = 12,      // and 13, experiment ownshift: the WG's warps shifted a slot part in place
 };
 
 // The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).

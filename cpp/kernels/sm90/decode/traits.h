@@ -172,7 +172,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  static constexpr bool kShiftBeforeS = false;  // experiment ownshift (fp8_per_tensor's traits)
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -271,9 +270,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // V^T transpose blocks whose ldmatrix go out together (fp8_smem.h): 4
   // spilled 8 B here, next to S and O.
   static constexpr int kTransposeBatch = 2;
-  // Experiment ownshift (session 39): each consumer WG runs design S's in-place shift (k = 0 at run time) over the
-  // NoPE slabs of each part of its own page right before that part's S k-steps: design S's page-pair schedule.
-  static constexpr bool kShiftBeforeS = true;
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
