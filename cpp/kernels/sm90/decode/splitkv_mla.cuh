@@ -253,12 +253,6 @@ struct SplitKvMlaKernel {
   // q_rows_per_head_k are zero-filled (their results are never stored).
   __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
                                 int ctid) {
-    copy_q_async(p, plan, batch, head_k, m_block, ctid);
-    finish_q_copy(plan);
-  }
-  // load_q's two halves: this thread's cp.async pieces of the tile, and the wait for them with both WGs' meeting.
-  __device__ static void copy_q_async(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
-                                      int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
@@ -278,8 +272,6 @@ struct SplitKvMlaKernel {
                    "l"(src), "r"(valid ? 16 : 0)
                    : "memory");
     }
-  }
-  __device__ static void finish_q_copy(Plan& plan) {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
@@ -287,12 +279,10 @@ struct SplitKvMlaKernel {
 
   // The chunk's Q tile in shared memory for the consumers: from the
   // producer's TMA (load_q_tma) when kQByTmaCapable and args.q_by_tma, else
-  // copied by them (load_q; or only its wait when the copy went out at the last
-  // chunk's end, `copy_in_flight`: copy_next_q). After the wait both WGs meet,
-  // as after load_q: the last chunk's epilogue has read the row sums that this
-  // one writes.
+  // copied by them (load_q). After the wait both WGs meet, as after load_q:
+  // the last chunk's epilogue has read the row sums that this one writes.
   __device__ static void acquire_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
-                                   int ctid, int chunk, bool copy_in_flight = false) {
+                                   int ctid, int chunk) {
     if constexpr (kQByTmaCapable) {
       if (args.q_by_tma) {
         mbarrier_wait(&plan.q_full, chunk & 1);
@@ -300,21 +290,7 @@ struct SplitKvMlaKernel {
         return;
       }
     }
-    if (!copy_in_flight) copy_q_async(args.params, plan, batch, head_k, m_block, ctid);
-    finish_q_copy(plan);
-  }
-  // Experiment qearly: at a chunk's end, once this WG's WGMMAs have retired (and with them every S of the chunk in
-  // both WGs: each WG's last S retires before a ready barrier the other passes before its own end), this thread's
-  // share of the next chunk's Q copy goes out, so it lands under the epilogue. Returns whether it did (not on the
-  // TMA path, not after the partition's last chunk).
-  __device__ static bool copy_next_q(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int b, int head_k,
-                                     int m_block, int ctid) {
-    if constexpr (kQByTmaCapable) {
-      if (args.q_by_tma) return false;
-    }
-    if (b >= meta.end_batch) return false;
-    copy_q_async(args.params, plan, b + 1, head_k, m_block, ctid);
-    return true;
+    load_q(args.params, plan, batch, head_k, m_block, ctid);
   }
   // After the chunk's last WGMMA: this warp no longer reads what the next
   // chunk's Q TMA overwrites (Q; fp8_ds_mla: the V^T and P tiles).
