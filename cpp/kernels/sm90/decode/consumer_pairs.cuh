@@ -159,8 +159,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   };
   // P (bf16, or e4m3 unscaled: P <= 256 with the lazy rescale) into the
   // page's shared tile, its columns in V^T's token order.
-  // (bf16: each row's values times row_factor on the way, kMaxHandOff's P_A at the pair's reference.)
-  auto store_p = [&](const auto& tP, int i, int page_role, const float (&row_factor)[2]) {
+  auto store_p = [&](const auto& tP, int i, int page_role) {
     if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
       // By stmatrix: a thread's two values of row lane / 4 (+ 8 for row half
       // h) and tokens 8j + 2 (lane % 4) + {0, 1}, packed in one b32, are its
@@ -178,8 +177,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         CUTE_UNROLL
         for (int t = 0; t < 4; ++t) {
           const int v = 4 * (2 * k + t / 2) + 2 * (t % 2);  // tile (h, j) = (t % 2, 2k + t / 2)
-          const float f = row_factor[t % 2];
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(tP(v) * f, tP(v + 1) * f);
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(tP(v), tP(v + 1));
           words[t] = reinterpret_cast<const uint32_t&>(pair);
         }
         const uint32_t addr = base + uint32_t(layout_p(row, 8 * (2 * k + m / 2))) * uint32_t(sizeof(Element));
@@ -221,11 +219,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // the page's owner zeroes their V rows (all 512 channels) after its S
   // retired, before the ready barrier that lets the other WG read them.
   // (fp8_per_tensor zeroes them in the V^T transpose instead.)
-  // Returns whether there were any (the same answer in every thread).
   auto zero_stale_v = [&](int i, int page, const Chunk& c) {
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
-      if (first >= kBlockN) return false;
+      if (first >= kBlockN) return;
       Tensor sK = as_position_independent_swizzle_tensor(
           make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
@@ -233,16 +230,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         const int t = first + j / kPiecesPerRow;
         *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, (j % kPiecesPerRow) * 8))) = make_uint4(0, 0, 0, 0);
       }
-      return true;
     }
-    return false;
   };
   // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
   // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
   // then rescales O by `factor` and queues the WG's own P V.
   auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
     zero_stale_v(i, page, c);
-    store_p(tP, i, page_role, {1.f, 1.f});
+    store_p(tP, i, page_role);
     stamp(args, wg, i, event_trace::kPairStored);
     fence_proxy_async_smem();
     // Both WGs pass the ready barrier, so it also orders this WG's own
@@ -274,9 +269,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   static_assert(!kEarlyS || Tr::kVNeedsTranspose, "early S releases K slots before their P V");
 
   int it = 0;  // pages consumed by this CTA, across chunks (ring position)
-  // kMaxHandOff: pairs (WG1's count) and pairs with a page B (WG0's) taken by this CTA, across chunks: the
-  // phases of max_ready[0] / [1].
-  int pairs = 0, pairs_with_b = 0;
   // The pair at `page` of a chunk ending at page_end: whether it has a page
   // B, whether another pair follows and has a B; the ring positions of A
   // and B. Advances the ring past the pair.
@@ -320,175 +312,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // One pair loop per warpgroup (the branch outside the loops), so that
     // no control-flow path joins one WG's in-flight WGMMAs with the other's
     // code: ptxas would serialize every WGMMA (C7514).
-    if constexpr (Tr::kMaxHandOff) {
-      // bf16 in FlashMLA's hand-off order (Traits::kMaxHandOff). Per pair:
-      //   WG0: [S_A] -> softmax A (m_A) -> [max_ready 0] -> P_A V_A,L -> {max_ready 1: m_B} -> store P_A * e^(m_A-m_B)
-      //        -> P_A V_A,L retired: A left back -> kPageAReady -> kPageBReady -> rescale -> P_B V_B,L -> the next
-      //        pair's S_A' on A' left -> P_B V_B,L retired: B left back -> S_A' on A' right
-      //   WG1: S_B -> {max_ready 0: m_A} -> m_B [max_ready 1] -> exponentials of B, store P_B -> kPageAReady
-      //        -> P_A V_A,R, P_B V_B,R -> kPageBReady -> P_A V_A,R retired: A right back -> B right back
-      // The tensor pipe takes P_A V_A,L under WG1's softmax of B, then P_A V_A,R, P_B V_B,R, P_B V_B,L and the next
-      // S_A'; page A's left part goes back right after WG0's own P V, and the producer's order (A left, A right,
-      // B right, B left) is the order the parts come back in.
-      static_assert(Tr::kPInRopeSlab && Tr::kOwnPInRegisters && !kEarlyS, "bf16's pair");
-      // The next pair's S_A' queued behind P_B V_B,L, one commit group per part: the left part's k-steps wait
-      // only for A' left (handed back early in this pair), the right part's for A' right.
-      auto issue_s_part = [&](int i, int part) __attribute__((always_inline)) {
-        Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
-        Tensor tSrK = thr_qk.partition_fragment_B(sK);
-        if (part == 0) warpgroup_fence_operand(tSrS);
-        CUTE_UNROLL
-        for (int piece = 0; piece < Tr::kPiecesPerPart; ++piece) {
-          mbarrier_wait(&plan.k_full[stage_of(i)][part * Tr::kPiecesPerPart + piece], phase_of(i));
-          warpgroup_arrive();  // after every wait loop's branch, or ptxas serializes (C7520)
-          const int slab = part * decode_cfg::kLeftSlabs + piece * Tr::kSlabsPerBox;
-          wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, part + piece > 0, slab * kStepsPerSlab);
-          if (part == 1 && piece == 0) wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kRopeStep);
-        }
-        warpgroup_commit_batch();
-      };
-      // Each of WG0's S_A goes out before its pair: the chunk's first here, the others behind the last pair's
-      // P_B V_B,L (a pair after the first always follows one with a page B). (Issued inside `if (wg == 0)`, the
-      // first made ptxas serialize every WGMMA, C7515.)
-      if (wg == 0 && page_begin < page_end) issue_s(it, false);
-      if (wg == 0) {
-        for (int page = page_begin; page < page_end; page += 2) {
-          const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
-          const uint32_t parity_b = uint32_t(pairs_with_b) & 1u;
-          pairs_with_b += has_b;
-          float factor[2];
-          stamp(args, 0, ia, event_trace::kPairTop);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tSrS);
-          stamp(args, 0, ia, event_trace::kPairSRetired);
-          release_part(ia, 1);  // S_A was WG0's last read of A's right part
-          mask(tSrS, page);
-          float page_max[2];
-          row_max(tSrS, page_max);
-          softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
-          publish_max(softmax, plan.ref_max[0]);
-          mbarrier_arrive_if(&plan.max_ready[0], (lane & 3) == 0);
-          if (zero_stale_v(ia, page, c)) {
-            fence_proxy_async_smem();
-            named_barrier_sync(wg_barrier(NamedBarriers::kStaleVZeroed0, 0), 128);
-          }
-          accumulate_own_page(tSrS, ia, 0, factor, accumulate);  // P_A V_A,L, P_A from registers at m_A
-          accumulate = true;
-          // P_A for WG1 at the pair's reference m_B (P_A V_A,L reads its own copy of P_A: tSrS is free).
-          float to_pair_max[2] = {1.f, 1.f};
-          if (has_b) {
-            mbarrier_wait(&plan.max_ready[1], parity_b);
-            adopt_max(softmax, plan.ref_max[1], to_pair_max);
-          }
-          store_p(tSrS, ia, 0, to_pair_max);
-          stamp(args, 0, ia, event_trace::kPairStored);
-          fence_proxy_async_smem();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          stamp(args, 0, ia, event_trace::kPairPvRetired);
-          release(ia);  // P_A V_A,L retired: A's left part
-          named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
-          stamp(args, 0, ia, event_trace::kPairAReady);
-          if (has_b) {
-            // P_B is stored and WG1's two P V are queued ahead of P_B V_B,L.
-            named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
-            stamp(args, 0, ia, event_trace::kPairBReady);
-            release_part(ib, 1);  // WG0 never reads page B's right part
-            rescale_o(to_pair_max);
-            issue_pv_smem(ib, 1, true);
-            if (has_next) {
-              issue_s_part(ib + 1, 0);
-              warpgroup_wait<1>();
-              warpgroup_fence_operand(tOrO);
-              release(ib);  // P_B V_B,L retired: B's left part
-              issue_s_part(ib + 1, 1);
-            } else {
-              warpgroup_wait<0>();
-              warpgroup_fence_operand(tOrO);
-              release(ib);
-            }
-          }
-          stamp(args, 0, ia, event_trace::kPairEnd);
-        }
-      } else {
-        // Nothing of WG1's is in flight here; ptxas cannot tell that WG0's first S above is not (it would
-        // serialize every WGMMA, C7514).
-        warpgroup_wait<0>();
-        for (int page = page_begin; page < page_end; page += 2) {
-          const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
-          const uint32_t parity_a = uint32_t(pairs++) & 1u;
-          float factor[2];
-          stamp(args, 1, ia, event_trace::kPairTop);
-          float page_max[2];
-          typename Tr::TiledMmaPVRegs mma_pv_regs;
-          Tensor tOrP = mma_pv_regs.get_thread_slice(tid).partition_fragment_A(p_tile(ib, 1));  // P_B, bf16
-          // S_B's softmax on a register copy: ptxas takes WG0's S, in flight across its loop, for one that
-          // WG1's writes would race with (it would serialize every WGMMA, C7515).
-          Tensor tSrSb = make_fragment_like(tSrS);
-          if (has_b) {
-            issue_s(ib, Tr::kBRightFirst);
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tSrS);
-            stamp(args, 1, ia, event_trace::kPairSRetired);
-            CUTE_UNROLL
-            for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
-            mask(tSrSb, page + 1);
-            row_max(tSrSb, page_max);
-          }
-          mbarrier_wait(&plan.max_ready[0], parity_a);
-          adopt_max(softmax, plan.ref_max[0], factor);
-          if (has_b) {
-            // m_B goes to WG0 before the exponentials: WG0 stores P_A at it, and P_A V_A,R comes first.
-            float factor_b[2], base[2];
-            softmax.template move_max<Tr::kLazyRescaleLog2>(page_max, scale_log2, factor_b, base);
-            publish_max(softmax, plan.ref_max[1]);
-            mbarrier_arrive_if(&plan.max_ready[1], (lane & 3) == 0);
-            softmax.add_page(tSrSb, scale_log2, base);
-            factor[0] *= factor_b[0];
-            factor[1] *= factor_b[1];
-            if (zero_stale_v(ib, page + 1, c)) {
-              fence_proxy_async_smem();
-              named_barrier_sync(wg_barrier(NamedBarriers::kStaleVZeroed0, 1), 128);
-            }
-            store_p(tSrSb, ib, 1, {1.f, 1.f});
-            stamp(args, 1, ib, event_trace::kPairStored);
-            fence_proxy_async_smem();
-            // P_B in bf16 for P_B V_B,R, converted before P_A V_A,R is in flight (during it, ptxas serializes
-            // every WGMMA, C7515).
-            CUTE_UNROLL
-            for (int v = 0; v < size(tOrP); ++v) tOrP(v) = Element(tSrSb(v));
-            warpgroup_fence_operand(tOrP);
-          }
-          rescale_o(factor);
-          named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
-          stamp(args, 1, ia, event_trace::kPairAReady);
-          issue_pv_smem(ia, 0, accumulate);  // P_A V_A,R
-          accumulate = true;
-          if (has_b) {
-            // P_B V_B,R from registers, queued behind P_A V_A,R on the same accumulator: issued without
-            // wgmma_batch's fence of O, which would define O's registers while P_A V_A,R writes them (C7515).
-            warpgroup_arrive();
-            wgmma_k_steps(mma_pv_regs, tOrP, v_operand(ib, 1), tOrO, true);
-            warpgroup_commit_batch();
-            warpgroup_fence_operand(tOrP);
-            named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
-            stamp(args, 1, ia, event_trace::kPairBReady);
-            warpgroup_wait<1>();
-            release(ia);  // P_A V_A,R retired: A's right part, with P_A in its RoPE slab
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            stamp(args, 1, ia, event_trace::kPairPvRetired);
-            release(ib);  // P_B V_B,R retired: B's right part (WG0 arrives for it too)
-          } else {
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            stamp(args, 1, ia, event_trace::kPairPvRetired);
-            release(ia);
-          }
-          stamp(args, 1, ia, event_trace::kPairEnd);
-        }
-      }
-    } else if (wg == 0) {
+    if (wg == 0) {
       for (int page = page_begin; page < page_end; page += 2) {
         const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
         float factor[2];

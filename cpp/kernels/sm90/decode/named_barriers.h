@@ -27,9 +27,6 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  // bf16 with Traits::kMaxHandOff: the WG (128 threads; 12 + wg) zeroed its page's stale V rows before its own
-  // P V reads them.
-  kStaleVZeroed0 = 12,
 };
 
 // The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).

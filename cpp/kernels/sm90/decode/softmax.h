@@ -120,24 +120,11 @@ struct OnlineSoftmaxState {
   __device__ __forceinline__ void update(Frag& s, const float (&page_max)[2], float scale_log2,
                                          float (&o_scale)[2]) {
     float base[2];
-    move_max<kLazyRescaleLog2>(page_max, scale_log2, o_scale, base);
-    add_page(s, scale_log2, base);
-  }
-
-  // update() in two steps, for a caller that publishes the new reference before the exponentials: the
-  // reference move (o_scale as update's; base for add_page) ...
-  template <int kLazyRescaleLog2 = 0>
-  __device__ __forceinline__ void move_max(const float (&page_max)[2], float scale_log2, float (&o_scale)[2],
-                                           float (&base)[2]) {
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       o_scale[h] = move_reference<kLazyRescaleLog2>(max[h], page_max[h], scale_log2, base[h]);
       sum[h] *= o_scale[h];
     }
-  }
-  // ... and the page's probabilities, in place, into the row sums.
-  template <class Frag>
-  __device__ __forceinline__ void add_page(Frag& s, float scale_log2, const float (&base)[2]) {
     CUTE_UNROLL
     for (int v = 0; v < cute::size(s); ++v) s(v) = exp2_ftz(fmaf(s(v), scale_log2, -base[fragment_row_half(v)]));
     auto add_op = [](float a, float b) { return a + b; };

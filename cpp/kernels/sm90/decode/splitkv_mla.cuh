@@ -417,9 +417,6 @@ struct SplitKvMlaKernel {
           }
         }
       }
-      if constexpr (Tr::kMaxHandOff) {
-        for (int page_role = 0; page_role < 2; ++page_role) mbarrier_init(&plan.max_ready[page_role], 32);
-      }
       if constexpr (kQByTmaCapable) {
         mbarrier_init(&plan.q_full, 1);
         mbarrier_init(&plan.q_empty, kConsumers / 32);  // every consumer warp's S read Q

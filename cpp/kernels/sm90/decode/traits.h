@@ -172,12 +172,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  // The pair's hand-offs in FlashMLA's order (experiment fmo): WG0 hands page A's running row max m_A to WG1
-  // through an mbarrier (max_ready[0]) as soon as it has it, and WG1 returns the pair's reference m_B
-  // (max_ready[1]) before its exponentials of B. WG0 stores P_A at m_B (rescaled in registers while its own
-  // P_A V_A,L runs), hands A's left part back as soon as that P V retired, and queues the next pair's S behind
-  // its P_B V_B,L (consumer_pairs.cuh).
-  static constexpr bool kMaxHandOff = true;
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -210,9 +204,6 @@ struct Traits<config::KvFormat::kBf16> {
     // the part's consumer WG (4 warps) is done with it.
     alignas(8) uint64_t k_full[kNumStages][2 * kPiecesPerPart];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    // kMaxHandOff: page A's running row max is in ref_max[0] (WG0's 32 writers arrive), page B's in ref_max[1]
-    // (WG1's).
-    alignas(8) uint64_t max_ready[2];
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
@@ -282,7 +273,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
-  static constexpr bool kMaxHandOff = false;   // P_A and P_B at their own references (main's pair order)
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
@@ -365,7 +355,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
-  static constexpr bool kMaxHandOff = false;  // its own consumer (consumer_ds)
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
