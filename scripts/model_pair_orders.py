@@ -453,7 +453,8 @@ class Sim:
 
 # Chunk lengths in pages: odd and even counts, lone pages, empty chunks, pairs whose page A falls in slot 1.
 CHUNK_SETS = [[6], [1], [3], [2, 1, 4], [5, 0, 3, 2], [1, 1, 1, 2], [7, 4, 1, 6, 3]]
-# The kernel of experiment fmo (`e75ccc0`: Traits<kBf16>::kMaxHandOff): WG0 queues the next S_A behind P_B V_B,L, WG1 sends m_B
+# The kernel of experiment fmo (`e75ccc0`: Traits<kBf16>::kMaxHandOff; estimated -2.5 % here, measured no faster
+# than main in session 40): WG0 queues the next S_A behind P_B V_B,L, WG1 sends m_B
 # before its exponentials and multiplies P_A V_A,R before P_B V_B,R (the producer keeps main's part order).
 FMO = ("early_s", "early_mb", "a_first")
 # Calibrated against session 38's event trace of main at C2 on an H100 (median pair 3594 ns), and what the model
