@@ -12,18 +12,17 @@ kernel's sequence of waits, WGMMA issues, retirements, barriers and hand-offs fo
   page A's RoPE slab, P_B in its tile (not rewritten while the other WG's WGMMA reads it).
 mbarrier waits test only a phase's parity (PTX ISA, mbarrier.try_wait.parity), as in tests/test_kv_ring_protocol.py.
 
-Orders: "main" (main's pair, as consumer_pairs.cuh's non-kMaxHandOff path; variants `relA` and `w1pv`, sessions
-37-38's experiments) and "hand_off" (FlashMLA's: WG0 hands page A's row max to WG1 at once through an mbarrier and
-stores P_A at the pair's reference m_B). Alone, "hand_off" has WG1 multiply P_B V_B,R first and the producer refill
-A left, B right, A right, B left; its variants `early_s` (WG0 queues the next S_A behind P_B V_B,L), `early_mb`
-(WG1 sends m_B before its exponentials), `a_first` (WG1's P_A V_A,R first, main's refill order) and
-`early_release_a` (A's left part back before WG0 waits for m_B). FMO below is experiment fmo's kernel (`e75ccc0`,
-reverted; docs/PERF.md session 40). Mutations that break the protocol must be caught (MUTATIONS), so the checks can
-fail; tests/test_model_pair_orders.py runs a short version of both.
+Orders: "main" (consumer_pairs.cuh's pair) and "hand_off" (FlashMLA's: WG0 hands page A's row max to WG1 at once
+through an mbarrier and stores P_A at the pair's reference m_B). Alone, "hand_off" has WG1 multiply P_B V_B,R first
+and the producer refill A left, B right, A right, B left; its variants `early_s` (WG0 queues the next S_A behind
+P_B V_B,L), `early_mb` (WG1 sends m_B before its exponentials) and `a_first` (WG1's P_A V_A,R first, main's refill
+order) together are experiment fmo's kernel (FMO below; `e75ccc0`, reverted; docs/PERF.md session 40). Mutations
+that break the protocol must be caught (MUTATIONS), so the checks can fail; tests/test_model_pair_orders.py runs a
+short version of both.
 
-With calibrated durations (Sim.BASE, ±10 % jitter) the same runs estimate the pair's period. Fitted to main's traced
-pair at C2, the model gets `relA`'s direction (+0.9 % against +1.5 % traced) but half of `w1pv`'s (+4.2 % against
-+9.2 %): a screen for orders, not a measurement.
+A first version (`e75ccc0`) also estimated the pair's period from durations fitted to the event trace of main. It
+attributed most of the pair to the refills' latency, and knockout `nrfl` (session 40: no refills at all) showed
+that at C2 the pair does not wait for them, so that part is gone (docs/PERF.md session 40).
 
     python3 scripts/model_pair_orders.py [random layouts per order, default 3000]
 """
@@ -31,7 +30,6 @@ pair at C2, the model gets `relA`'s direction (+0.9 % against +1.5 % traced) but
 from __future__ import annotations
 
 import heapq
-import itertools
 import random
 import sys
 
@@ -44,26 +42,14 @@ class ProtocolError(AssertionError):
 
 class Sim:
     """One run of the protocol over `chunks` (pages per chunk) in `order` with `variant` flags, optionally with a
-    `mutation`; random durations, or the calibrated ones (BASE) for a period estimate. run() returns the end time
-    and raises ProtocolError at the first broken rule."""
-
-    # Calibrated durations (us): S of a page (36 k-steps) or half of it, P V of a V half (SS, or RS from
-    # registers), softmax pieces, a P store; TMA: landing latency after the unit issued a part, and the unit's
-    # issue time per KB (~6 ns, session 28). With calibrated durations a register-sourced P V also holds its
-    # warpgroup until the tensor pipe starts it (what `w1pv`'s trace suggests; variant `rs_free` drops that).
-    BASE = {"S": 0.7, "S_half": 0.35, "PV": 0.35, "PV_rs": 0.35, "softmax_a": 0.5, "rowmax": 0.25, "exps_b": 0.35,
-            "softmax_b_main": 0.35, "store": 0.15, "tma_lat": 0.8, "tma_per_kb": 0.006}
+    `mutation`, with random durations. run() returns the end time and raises ProtocolError at the first broken
+    rule."""
 
     def dur(self, what):
-        if self.calibrated:
-            return self.BASE[what] * self.rng.uniform(0.9, 1.1)
         return self.rng.uniform(0.1, 0.7) if what in ("S", "S_half", "PV", "PV_rs") else self.rng.uniform(0.2, 1.0)
 
-    def __init__(self, chunks, order: str, seed: int, mutation: str | None = None, calibrated=False, variant=()):
+    def __init__(self, chunks, order: str, seed: int, mutation: str | None = None, variant=()):
         self.variant = set(variant)
-        self.rs_blocks = calibrated and "rs_free" not in self.variant
-        self.calibrated = calibrated
-        self.tma_free = 0.0
         self.rng = random.Random(seed)
         self.order = order
         self.mutation = mutation
@@ -156,20 +142,13 @@ class Sim:
                     yield ("write_slot", ia, 1)
                     yield ("bar", "stale0", 1)
                 yield ("mma", [self.slot(ia, 0)], "PV_rs")  # P_A V_A,L, P_A from registers
-                released_a = False
-                if "early_release_a" in self.variant:
-                    yield ("wait_mma", 0)
-                    yield ("arrive_empty", ia, 0)
-                    released_a = True
                 if has_b:
                     parity = (k if self.mutation == "max1_parity_per_pair" else kb) & 1
                     yield ("mbar_wait", "max1", parity)
                     yield ("read_ref", 1, k)
                 yield ("work", "store")
                 yield ("write_p_a", ia, 1)
-                if released_a:
-                    pass
-                elif self.mutation == "release_a_left_early":
+                if self.mutation == "release_a_left_early":
                     yield ("arrive_empty", ia, 0)
                     yield ("wait_mma", 0)
                 else:
@@ -200,16 +179,6 @@ class Sim:
                 yield ("write_p_a", ia, 1)
                 yield ("bar", "A", 2)
                 yield ("mma", [self.slot(ia, 0)], "PV_rs")  # P_A V_A,L
-                if has_b and "relA" in self.variant:
-                    yield ("wait_mma", 0)
-                    yield ("arrive_empty", ia, 0)
-                    yield ("bar", "B", 2)
-                    yield ("arrive_empty", ib, 1)
-                    yield ("read_ref", 1, k)
-                    yield ("mma", [("p_tile", k), self.slot(ib, 0)], "PV")  # P_B V_B,L
-                    yield ("wait_mma", 0)
-                    yield ("arrive_empty", ib, 0)
-                    continue
                 if has_b:
                     yield ("bar", "B", 2)
                     if self.mutation != "release_b_right_at_top":
@@ -281,18 +250,6 @@ class Sim:
                 yield ("bar", "A", 2)
                 yield ("read_ref", 0, k)
                 yield ("mma", [("p_a", ia), self.slot(ia, 1)], "PV")  # P_A V_A,R
-                if has_b and "w1pv" in self.variant:
-                    yield ("work", "softmax_b_main")
-                    yield ("write_ref", 1, k)
-                    yield ("wait_mma", 0)
-                    yield ("arrive_empty", ia, 1)
-                    yield ("mma", [self.slot(ib, 1)], "PV_rs")  # P_B V_B,R
-                    yield ("work", "store")
-                    yield ("write_p_tile", k)
-                    yield ("bar", "B", 2)
-                    yield ("wait_mma", 0)
-                    yield ("arrive_empty", ib, 1)
-                    continue
                 if has_b:
                     yield ("work", "softmax_b_main")
                     yield ("write_ref", 1, k)
@@ -330,12 +287,7 @@ class Sim:
                 self.holds[stage][part] = pos
                 self.full[stage][part] += 1
 
-            if self.calibrated:
-                start = max(self.now, self.tma_free)
-                self.tma_free = start + (32 if part == 0 else 40) * self.BASE["tma_per_kb"]
-                self.at(self.tma_free + self.dur("tma_lat"), land)
-            else:
-                self.at(self.now + self.rng.uniform(0.5, 1.5), land)
+            self.at(self.now + self.rng.uniform(0.5, 1.5), land)
             return True
         if kind == "wait_full":
             _, pos, part = op
@@ -357,15 +309,10 @@ class Sim:
                     self.fail(f"WG{wg} reads P_A of page {r[1]}, the slab holds {self.p_a[r[1] % STAGES]}")
             reads = [("slot", r[1] % STAGES, 1) if r[0] == "p_a" else r for r in reads] + [
                 ("p_tile",) for r in reads if r[0] == "p_tile"]
-            start = max(self.now, self.pipe_free)
-            done = start + self.dur(op[2])
+            done = max(self.now, self.pipe_free) + self.dur(op[2])
             self.pipe_free = done
             self.groups[wg].append((done, reads))
             self.at(done, lambda: None)
-            if op[2] == "PV_rs" and self.rs_blocks and start > self.now:
-                # A register-sourced WGMMA holds its warps until the tensor pipe takes its operands.
-                self.asleep.add(name)
-                self.at(start, lambda: self.asleep.discard(name))
             return True
         if kind == "wait_mma":
             outstanding = sum(done > self.now for done, _ in self.groups[wg])
@@ -453,15 +400,10 @@ class Sim:
 
 # Chunk lengths in pages: odd and even counts, lone pages, empty chunks, pairs whose page A falls in slot 1.
 CHUNK_SETS = [[6], [1], [3], [2, 1, 4], [5, 0, 3, 2], [1, 1, 1, 2], [7, 4, 1, 6, 3]]
-# The kernel of experiment fmo (`e75ccc0`: Traits<kBf16>::kMaxHandOff; estimated -2.5 % here, measured no faster
-# than main in session 40): WG0 queues the next S_A behind P_B V_B,L, WG1 sends m_B
+# The kernel of experiment fmo (`e75ccc0`: Traits<kBf16>::kMaxHandOff; measured no faster than main in session 40):
+# WG0 queues the next S_A behind P_B V_B,L, WG1 sends m_B
 # before its exponentials and multiplies P_A V_A,R before P_B V_B,R (the producer keeps main's part order).
 FMO = ("early_s", "early_mb", "a_first")
-# Calibrated against session 38's event trace of main at C2 on an H100 (median pair 3594 ns), and what the model
-# says of the orders measured there.
-MEASURED_TRACE_NS = {(): 3594, ("relA",): 3649, ("w1pv",): 3926}
-
-
 # Broken protocols the checks must catch: each WG's hand-back of a part before the last WGMMA reading it retired
 # (main: WG0 on page B's right part at the pair's top, or B's left part with P_B V_B,L in flight; FlashMLA's order:
 # A's left part, B's right part), and max_ready[1]'s parity counted per pair where it completes per pair with a B.
@@ -481,12 +423,6 @@ def mutation_caught(order, mutation, seeds=60):
     return caught
 
 
-def pair_period(order, variant=(), seeds=8, pages=256):
-    """Mean calibrated time per pair (us) over two chunks of `pages` / 2 pages."""
-    times = [Sim([pages // 2] * 2, order, s, calibrated=True, variant=variant).run() for s in range(seeds)]
-    return sum(times) / len(times) / (pages / 2)
-
-
 def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
     rnd = random.Random(0)
@@ -500,17 +436,6 @@ def main():
         print(f"mutation {order} {mutation}: caught in {caught} of 60 runs")
         if caught == 0:
             sys.exit(f"the model misses {mutation}")
-    base = pair_period("main")
-    print("calibrated pair period (us), main's order:")
-    for variant, ns in MEASURED_TRACE_NS.items():
-        t = pair_period("main", variant)
-        print(f"  main {'+'.join(variant) or '-':24s} {t:.3f} ({100 * (t / base - 1):+.1f} %)"
-              f"   traced {ns} ns ({100 * (ns / MEASURED_TRACE_NS[()] - 1):+.1f} %)")
-    print("FlashMLA's hand-off order:")
-    for r in range(len(FMO) + 2):
-        for variant in itertools.combinations(FMO + ("early_release_a",), r):
-            t = pair_period("hand_off", variant)
-            print(f"  hand_off {'+'.join(variant) or '-':40s} {t:.3f} ({100 * (t / base - 1):+.1f} %)")
 
 
 if __name__ == "__main__":
