@@ -242,11 +242,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     fence_proxy_async_smem();
     // Both WGs pass the ready barrier, so it also orders this WG's own
     // writes (P, zeroed V rows) before its WGMMA reads them.
-    // Knockout nrflnb (diagnostic): bf16 without kPageBReady (WG0 never waits for WG1's P_B).
-    if (!(std::is_same_v<Element, cutlass::bfloat16_t> && page_role == 1)) {
-      named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
-                                   kConsumers);
-    }
+    named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
+                                 kConsumers);
   };
   auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
                                  __attribute__((always_inline)) {
@@ -356,9 +353,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
           }
-          if constexpr (!std::is_same_v<Element, cutlass::bfloat16_t>) {
-            named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
-          }
+          named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
           // WG0 never reads page B's right part (P_B has its own tile); all
           // arrivals for the slot's last page came before this barrier.
