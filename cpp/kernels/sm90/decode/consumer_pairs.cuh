@@ -242,11 +242,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     fence_proxy_async_smem();
     // Both WGs pass the ready barrier, so it also orders this WG's own
     // writes (P, zeroed V rows) before its WGMMA reads them.
-    // Knockout nrflna (diagnostic): bf16 without kPageAReady (WG1 never waits for WG0's P_A).
-    if (!(std::is_same_v<Element, cutlass::bfloat16_t> && page_role == 0)) {
-      named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
-                                   kConsumers);
-    }
+    named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
+                                 kConsumers);
   };
   auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
                                  __attribute__((always_inline)) {
@@ -419,9 +416,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         } else {
           warpgroup_wait<0>();  // the last pair's P_B V_B,R
         }
-        if constexpr (!std::is_same_v<Element, cutlass::bfloat16_t>) {
-          named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
-        }
+        named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
         stamp(args, 1, ia, event_trace::kPairAReady);
         adopt_max(softmax, plan.ref_max[0], factor);
         rescale_o(factor);

@@ -212,14 +212,6 @@ struct SplitKvMlaKernel {
             const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-            // Knockout nrfl (diagnostic, wrong results): bf16 loads only its chunks' first two pages; the later
-            // ones "land" at once on the stale slot (a plain arrival on each piece's full barrier).
-            if (std::is_same_v<Element, cutlass::bfloat16_t> && page - c.first_page() >= 2) {
-              for (int piece = 0; piece < Tr::kPiecesPerPart; ++piece) {
-                mbarrier_arrive_if(&full[part * Tr::kPiecesPerPart + piece], true);
-              }
-              continue;
-            }
             load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
                                   head_k, block, part);
           }
