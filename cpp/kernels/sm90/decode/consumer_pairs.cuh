@@ -219,11 +219,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // the page's owner zeroes their V rows (all 512 channels) after its S
   // retired, before the ready barrier that lets the other WG read them.
   // (fp8_per_tensor zeroes them in the V^T transpose instead.)
-  // Returns whether there were any (the same answer in every thread).
   auto zero_stale_v = [&](int i, int page, const Chunk& c) {
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
-      if (first >= kBlockN) return false;
+      if (first >= kBlockN) return;
       Tensor sK = as_position_independent_swizzle_tensor(
           make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
@@ -231,30 +230,20 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         const int t = first + j / kPiecesPerRow;
         *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, (j % kPiecesPerRow) * 8))) = make_uint4(0, 0, 0, 0);
       }
-      return true;
     }
-    return false;
   };
   // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
   // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
   // then rescales O by `factor` and queues the WG's own P V.
   auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
-    const bool zeroed = zero_stale_v(i, page, c);
+    zero_stale_v(i, page, c);
     store_p(tP, i, page_role);
     stamp(args, wg, i, event_trace::kPairStored);
     fence_proxy_async_smem();
-    const NamedBarriers ready = page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady;
-    if constexpr (Tr::kPInRopeSlab) {
-      // Experiment arr (bf16): the publishing WG arrives at the ready barrier and goes on (the other WG syncs),
-      // as FlashMLA's hand-offs do; its own WGMMA reads its zeroed V rows only after its 128 threads met.
-      if (zeroed) named_barrier_sync(NamedBarriers(12 + wg), 128);
-      asm volatile("barrier.arrive %0, %1;\n" ::"r"(static_cast<int>(ready)), "r"(kConsumers) : "memory");
-    } else {
-      // Both WGs pass the ready barrier, so it also orders this WG's own
-      // writes (P, zeroed V rows) before its WGMMA reads them.
-      (void)zeroed;
-      named_barrier_sync_unaligned(ready, kConsumers);
-    }
+    // Both WGs pass the ready barrier, so it also orders this WG's own
+    // writes (P, zeroed V rows) before its WGMMA reads them.
+    named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
+                                 kConsumers);
   };
   auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
                                  __attribute__((always_inline)) {
