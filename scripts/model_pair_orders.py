@@ -12,13 +12,11 @@ kernel's sequence of waits, WGMMA issues, retirements, barriers and hand-offs fo
   page A's RoPE slab, P_B in its tile (not rewritten while the other WG's WGMMA reads it).
 mbarrier waits test only a phase's parity (PTX ISA, mbarrier.try_wait.parity), as in tests/test_kv_ring_protocol.py.
 
-Orders: "main" (consumer_pairs.cuh's pair) and "hand_off" (FlashMLA's: WG0 hands page A's row max to WG1 at once
-through an mbarrier and stores P_A at the pair's reference m_B). Alone, "hand_off" has WG1 multiply P_B V_B,R first
-and the producer refill A left, B right, A right, B left; its variants `early_s` (WG0 queues the next S_A behind
-P_B V_B,L), `early_mb` (WG1 sends m_B before its exponentials) and `a_first` (WG1's P_A V_A,R first, main's refill
-order) together are experiment fmo's kernel (FMO below; `e75ccc0`, reverted; docs/PERF.md session 40). Mutations
-that break the protocol must be caught (MUTATIONS), so the checks can fail; tests/test_model_pair_orders.py runs a
-short version of both.
+Orders: "main" (consumer_pairs.cuh's pair) and "fmo" (experiment fmo's kernel, FlashMLA's hand-off order; `e75ccc0`,
+reverted; docs/PERF.md session 40): WG0 hands page A's row max to WG1 at once through an mbarrier, stores P_A at the
+pair's reference m_B and queues the next S_A behind P_B V_B,L; WG1 sends m_B before its exponentials and multiplies
+P_A V_A,R before P_B V_B,R; the producer keeps main's part order. Mutations that break the protocol must be caught
+(MUTATIONS), so the checks can fail; tests/test_model_pair_orders.py runs a short version of both.
 
 A first version (`e75ccc0`) also estimated the pair's period from durations fitted to the event trace of main. It
 attributed most of the pair to the refills' latency, and knockout `nrfl` (session 40: no refills at all) showed
@@ -41,15 +39,10 @@ class ProtocolError(AssertionError):
 
 
 class Sim:
-    """One run of the protocol over `chunks` (pages per chunk) in `order` with `variant` flags, optionally with a
-    `mutation`, with random durations. run() returns the end time and raises ProtocolError at the first broken
-    rule."""
+    """One run of the protocol over `chunks` (pages per chunk) in `order`, optionally with a `mutation`, with random
+    durations. run() returns the end time and raises ProtocolError at the first broken rule."""
 
-    def dur(self, what):
-        return self.rng.uniform(0.1, 0.7) if what in ("S", "S_half", "PV", "PV_rs") else self.rng.uniform(0.2, 1.0)
-
-    def __init__(self, chunks, order: str, seed: int, mutation: str | None = None, variant=()):
-        self.variant = set(variant)
+    def __init__(self, chunks, order: str, seed: int, mutation: str | None = None):
         self.rng = random.Random(seed)
         self.order = order
         self.mutation = mutation
@@ -107,19 +100,14 @@ class Sim:
 
     # --------------------------------------------------------- the actors
     def producer(self):
-        order = []
+        # Left part first; a page B's right part first (kBRightFirst).
         for _, ia, ib, _, _ in self.pairs:
-            if self.order == "hand_off" and "a_first" not in self.variant:
-                order += [(ia, 0)] + ([(ib, 1)] if ib is not None else []) + [(ia, 1)]
-                order += [(ib, 0)] if ib is not None else []
-            else:
-                order += [(ia, 0), (ia, 1)] + ([(ib, 1), (ib, 0)] if ib is not None else [])
-        for pos, part in order:
-            yield ("wait_empty", pos, part)
-            yield ("tma", pos, part)
+            for pos, part in [(ia, 0), (ia, 1)] + ([(ib, 1), (ib, 0)] if ib is not None else []):
+                yield ("wait_empty", pos, part)
+                yield ("tma", pos, part)
 
     def wg0(self):
-        hand_off = self.order == "hand_off"
+        fmo = self.order == "fmo"
         s_issued = False
         for k, ia, ib, kb, partial in self.pairs:
             has_b = ib is not None
@@ -129,24 +117,24 @@ class Sim:
             if not s_issued:
                 yield ("wait_full", ia, 0)
                 yield ("wait_full", ia, 1)
-                yield ("mma", [self.slot(ia, 0), self.slot(ia, 1)], "S")
+                yield ("mma", [self.slot(ia, 0), self.slot(ia, 1)])
             s_issued = False
             yield ("wait_mma", 0)
             yield ("arrive_empty", ia, 1)  # S_A was WG0's last read of A's right part
-            yield ("work", "softmax_a")
+            yield ("work",)  # mask, row max, exponentials
             yield ("write_ref", 0, k)
-            if hand_off:
+            if fmo:
                 yield ("mbar_arrive", "max0")
                 if zero_a:
                     yield ("write_slot", ia, 0)
                     yield ("write_slot", ia, 1)
                     yield ("bar", "stale0", 1)
-                yield ("mma", [self.slot(ia, 0)], "PV_rs")  # P_A V_A,L, P_A from registers
+                yield ("mma", [self.slot(ia, 0)])  # P_A V_A,L, P_A from registers
                 if has_b:
                     parity = (k if self.mutation == "max1_parity_per_pair" else kb) & 1
                     yield ("mbar_wait", "max1", parity)
                     yield ("read_ref", 1, k)
-                yield ("work", "store")
+                yield ("work",)  # P_A rescaled to m_B, stored
                 yield ("write_p_a", ia, 1)
                 if self.mutation == "release_a_left_early":
                     yield ("arrive_empty", ia, 0)
@@ -158,15 +146,15 @@ class Sim:
                 if has_b:
                     yield ("bar", "B", 2)
                     yield ("arrive_empty", ib, 1)
-                    yield ("mma", [("p_tile", k), self.slot(ib, 0)], "PV")  # P_B V_B,L
-                    if "early_s" in self.variant and self.next_in_chunk[k]:
+                    yield ("mma", [("p_tile", k), self.slot(ib, 0)])  # P_B V_B,L
+                    if self.next_in_chunk[k]:  # the next S_A, left part then right part, behind P_B V_B,L
                         na = ib + 1
                         yield ("wait_full", na, 0)
-                        yield ("mma", [self.slot(na, 0)], "S_half")
+                        yield ("mma", [self.slot(na, 0)])
                         yield ("wait_mma", 1)
                         yield ("arrive_empty", ib, 0)
                         yield ("wait_full", na, 1)
-                        yield ("mma", [self.slot(na, 1)], "S_half")
+                        yield ("mma", [self.slot(na, 1)])
                         s_issued = True
                     else:
                         yield ("wait_mma", 0)
@@ -175,10 +163,10 @@ class Sim:
                 if zero_a:
                     yield ("write_slot", ia, 0)
                     yield ("write_slot", ia, 1)
-                yield ("work", "store")
+                yield ("work",)  # P stored
                 yield ("write_p_a", ia, 1)
                 yield ("bar", "A", 2)
-                yield ("mma", [self.slot(ia, 0)], "PV_rs")  # P_A V_A,L
+                yield ("mma", [self.slot(ia, 0)])  # P_A V_A,L
                 if has_b:
                     yield ("bar", "B", 2)
                     if self.mutation != "release_b_right_at_top":
@@ -186,7 +174,7 @@ class Sim:
                     yield ("wait_mma", 0)
                     yield ("arrive_empty", ia, 0)
                     yield ("read_ref", 1, k)
-                    yield ("mma", [("p_tile", k), self.slot(ib, 0)], "PV")  # P_B V_B,L
+                    yield ("mma", [("p_tile", k), self.slot(ib, 0)])  # P_B V_B,L
                     if self.mutation != "release_b_left_unretired":
                         yield ("wait_mma", 0)
                     yield ("arrive_empty", ib, 0)
@@ -195,74 +183,61 @@ class Sim:
                     yield ("arrive_empty", ia, 0)
 
     def wg1(self):
-        hand_off = self.order == "hand_off"
+        fmo = self.order == "fmo"
         for k, ia, ib, kb, partial in self.pairs:
             has_b = ib is not None
             zero_b = partial and has_b
             if has_b:
                 yield ("wait_full", ib, 1)  # kBRightFirst
                 yield ("wait_full", ib, 0)
-                yield ("mma", [self.slot(ib, 0), self.slot(ib, 1)], "S")
+                yield ("mma", [self.slot(ib, 0), self.slot(ib, 1)])
                 yield ("wait_mma", 0)
-                yield ("work", "rowmax")
-            if hand_off:
+                yield ("work",)  # mask, row max
+            if fmo:
                 yield ("mbar_wait", "max0", k & 1)
                 yield ("read_ref", 0, k)
                 if has_b:
-                    if "early_mb" in self.variant:
-                        yield ("write_ref", 1, k)
-                        yield ("mbar_arrive", "max1")
-                        yield ("work", "exps_b")
-                    else:
-                        yield ("work", "exps_b")
-                        yield ("write_ref", 1, k)
-                        yield ("mbar_arrive", "max1")
+                    yield ("write_ref", 1, k)
+                    yield ("mbar_arrive", "max1")
+                    yield ("work",)  # exponentials of B
                     if zero_b:
                         yield ("write_slot", ib, 0)
                         yield ("write_slot", ib, 1)
                         yield ("bar", "stale1", 1)
-                    yield ("work", "store")
+                    yield ("work",)  # P_B stored
                     yield ("write_p_tile", k)
-                    if "a_first" not in self.variant:
-                        yield ("mma", [self.slot(ib, 1)], "PV_rs")  # P_B V_B,R from registers
                 yield ("bar", "A", 2)
-                yield ("mma", [("p_a", ia), self.slot(ia, 1)], "PV")  # P_A V_A,R
-                if has_b and "a_first" in self.variant:
-                    yield ("mma", [self.slot(ib, 1)], "PV_rs")  # P_B V_B,R from registers
+                yield ("mma", [("p_a", ia), self.slot(ia, 1)])  # P_A V_A,R
+                if has_b:
+                    yield ("mma", [self.slot(ib, 1)])  # P_B V_B,R from registers
                     yield ("bar", "B", 2)
-                    yield ("wait_mma", 1)
+                    if self.mutation != "release_a_right_unretired":
+                        yield ("wait_mma", 1)
                     yield ("arrive_empty", ia, 1)
                     yield ("wait_mma", 0)
                     yield ("arrive_empty", ib, 1)
-                    continue
-                if has_b:
-                    yield ("bar", "B", 2)
-                    if self.mutation == "release_b_right_unretired":
-                        yield ("arrive_empty", ib, 1)
-                    else:
-                        yield ("wait_mma", 1)
-                        yield ("arrive_empty", ib, 1)
-                yield ("wait_mma", 0)
-                yield ("arrive_empty", ia, 1)
+                else:
+                    yield ("wait_mma", 0)
+                    yield ("arrive_empty", ia, 1)
             else:
                 if not has_b:
                     yield ("wait_mma", 0)
                 yield ("bar", "A", 2)
                 yield ("read_ref", 0, k)
-                yield ("mma", [("p_a", ia), self.slot(ia, 1)], "PV")  # P_A V_A,R
+                yield ("mma", [("p_a", ia), self.slot(ia, 1)])  # P_A V_A,R
                 if has_b:
-                    yield ("work", "softmax_b_main")
+                    yield ("work",)  # softmax of B
                     yield ("write_ref", 1, k)
                     if zero_b:
                         yield ("write_slot", ib, 0)
                         yield ("write_slot", ib, 1)
-                    yield ("work", "store")
+                    yield ("work",)  # P stored
                     yield ("write_p_tile", k)
                     yield ("bar", "B", 2)
                 yield ("wait_mma", 0)
                 yield ("arrive_empty", ia, 1)
                 if has_b:
-                    yield ("mma", [self.slot(ib, 1)], "PV_rs")  # P_B V_B,R
+                    yield ("mma", [self.slot(ib, 1)])  # P_B V_B,R
                     yield ("wait_mma", 0)
                     yield ("arrive_empty", ib, 1)
 
@@ -309,7 +284,7 @@ class Sim:
                     self.fail(f"WG{wg} reads P_A of page {r[1]}, the slab holds {self.p_a[r[1] % STAGES]}")
             reads = [("slot", r[1] % STAGES, 1) if r[0] == "p_a" else r for r in reads] + [
                 ("p_tile",) for r in reads if r[0] == "p_tile"]
-            done = max(self.now, self.pipe_free) + self.dur(op[2])
+            done = max(self.now, self.pipe_free) + self.rng.uniform(0.1, 0.7)
             self.pipe_free = done
             self.groups[wg].append((done, reads))
             self.at(done, lambda: None)
@@ -372,7 +347,7 @@ class Sim:
             return False
         if kind == "work":
             self.asleep.add(name)
-            self.at(self.now + self.dur(op[1]), lambda: self.asleep.discard(name))
+            self.at(self.now + self.rng.uniform(0.2, 1.0), lambda: self.asleep.discard(name))
             return True
         raise ValueError(kind)
 
@@ -400,16 +375,12 @@ class Sim:
 
 # Chunk lengths in pages: odd and even counts, lone pages, empty chunks, pairs whose page A falls in slot 1.
 CHUNK_SETS = [[6], [1], [3], [2, 1, 4], [5, 0, 3, 2], [1, 1, 1, 2], [7, 4, 1, 6, 3]]
-# The kernel of experiment fmo (`e75ccc0`: Traits<kBf16>::kMaxHandOff; measured no faster than main in session 40):
-# WG0 queues the next S_A behind P_B V_B,L, WG1 sends m_B
-# before its exponentials and multiplies P_A V_A,R before P_B V_B,R (the producer keeps main's part order).
-FMO = ("early_s", "early_mb", "a_first")
-# Broken protocols the checks must catch: each WG's hand-back of a part before the last WGMMA reading it retired
-# (main: WG0 on page B's right part at the pair's top, or B's left part with P_B V_B,L in flight; FlashMLA's order:
-# A's left part, B's right part), and max_ready[1]'s parity counted per pair where it completes per pair with a B.
+# Broken protocols the checks must catch: a part handed back before the last WGMMA reading it retired (main: WG0 on
+# page B's right part at the pair's top, B's left part with P_B V_B,L in flight; fmo: A's left part with P_A V_A,L
+# in flight, A's right part with P_A V_A,R in flight), and fmo's max_ready[1] parity counted per pair where it
+# completes per pair with a page B.
 MUTATIONS = [("main", "release_b_right_at_top"), ("main", "release_b_left_unretired"),
-             ("hand_off", "max1_parity_per_pair"), ("hand_off", "release_a_left_early"),
-             ("hand_off", "release_b_right_unretired")]
+             ("fmo", "max1_parity_per_pair"), ("fmo", "release_a_left_early"), ("fmo", "release_a_right_unretired")]
 
 
 def mutation_caught(order, mutation, seeds=60):
@@ -426,11 +397,10 @@ def mutation_caught(order, mutation, seeds=60):
 def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
     rnd = random.Random(0)
-    for order, variant in (("main", ()), ("hand_off", FMO), ("hand_off", ())):
+    for order in ("main", "fmo"):
         for r in range(runs):
-            Sim([rnd.choice([0, 1, 2, 3, 4, 5, 7, 8]) for _ in range(rnd.randint(1, 4))], order, r,
-                variant=variant).run()
-        print(f"protocol ok: {order} {'+'.join(variant) or '-'}, {runs} random chunk layouts and timings")
+            Sim([rnd.choice([0, 1, 2, 3, 4, 5, 7, 8]) for _ in range(rnd.randint(1, 4))], order, r).run()
+        print(f"protocol ok: {order}, {runs} random chunk layouts and timings")
     for order, mutation in MUTATIONS:
         caught = mutation_caught(order, mutation)
         print(f"mutation {order} {mutation}: caught in {caught} of 60 runs")
