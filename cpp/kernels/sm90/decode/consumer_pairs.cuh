@@ -420,12 +420,28 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 1, ia, event_trace::kPairAReady);
         adopt_max(softmax, plan.ref_max[0], factor);
         rescale_o(factor);
-        issue_pv_smem(ia, 0, accumulate);
-        accumulate = true;
-        if (has_b) {
+        if (Tr::kPInRopeSlab && has_b) {
+          // bf16: P_A V_A,R goes out in two halves around the softmax of B.
+          // Issuing a third m64n256 WGMMA holds the warp until the queue
+          // (WG0's P_A V_A,L is in it) drains, so all four before the
+          // exponentials would delay P_B by that wait; two fit at once.
+          auto tPA = thr_pv.partition_fragment_A(p_tile(ia, 0));
+          auto tVA = v_operand(ia, 0);
+          warpgroup_fence_operand(tOrO);
+          warpgroup_arrive();
+          wgmma_k_steps<2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
+          wgmma_k_steps<2>(mma_pv, tPA, tVA, tOrO, true, 2);
+          warpgroup_commit_batch();
+        } else {
+          issue_pv_smem(ia, 0, accumulate);
+          if (has_b) {
+            softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
+            publish_max(softmax, plan.ref_max[1]);
+          }
         }
+        accumulate = true;
         // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
         // its last reader, the last pair's P_B V_B,L, retired before
         // kPageAReady). P_A V_A,R retires before O is rescaled.
