@@ -432,7 +432,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           wgmma_k_steps<2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
-          publish_p(tSrSb, ib, page + 1, 1, c);
           wgmma_k_steps<2>(mma_pv, tPA, tVA, tOrO, true, 2);
           warpgroup_commit_batch();
         } else {
@@ -443,7 +442,15 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           }
         }
         accumulate = true;
-        stamp(args, 1, ia, event_trace::kPairBReady);
+        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
+        // its last reader, the last pair's P_B V_B,L, retired before
+        // kPageAReady). P_A V_A,R retires before O is rescaled.
+        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
+        // gain from publishing it early: experiment pbearly, session 15.)
+        if constexpr (Tr::kPInRopeSlab) {
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+          stamp(args, 1, ia, event_trace::kPairBReady);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         stamp(args, 1, ia, event_trace::kPairPvRetired);
