@@ -138,35 +138,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     }
     warpgroup_commit_batch();
   };
-  // fp8_per_tensor's early S of a page A (WG0): issue_s's k-steps in its
-  // order, with WG0's V^T_A,L transpose after the first slab's. Behind a
-  // full queue (the last pair's P_B V_B,L), issuing the S held the warp
-  // until all but ~5 k-steps were queued (scripts/fence_wgmma_bench.cu), so
-  // a transpose placed after it ran once the S had nearly finished, on the
-  // chain to the softmax of A; here it runs while the queue drains. Its V^T
-  // half was last read by the pair's P_A V_A,L, retired before kPageBReady
-  // let WG0 on.
-  auto issue_s_transposing = [&](int i, int page, const auto& c) __attribute__((always_inline)) {
-    if constexpr (Tr::kVNeedsTranspose) {
-      static_assert(Tr::kPiecesPerPart == 1, "one piece a part");
-      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
-      Tensor tSrK = thr_qk.partition_fragment_B(sK);
-      warpgroup_fence_operand(tSrS);
-      stamp(args, wg, i, event_trace::kSWaitStart);
-      mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
-      stamp(args, wg, i, event_trace::kSLeftLanded);
-      warpgroup_arrive();
-      wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, false, 0);
-      transpose_v<Tr>(plan.k[stage_of(i)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
-      wgmma_k_steps<kPieceSteps - kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kStepsPerSlab);
-      mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
-      stamp(args, wg, i, event_trace::kSRightLanded);
-      warpgroup_arrive();
-      wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, true, decode_cfg::kLeftSlabs * kStepsPerSlab);
-      wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kRopeStep);
-      warpgroup_commit_batch();
-    }
-  };
   // O_w (+)= P V_w with P from shared memory ...
   auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
     wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(i, page_role)), v_operand(i, page_role), tOrO,
@@ -335,9 +306,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // With early S, the first pair's S are issued here.
     const int page_begin = c.first_page(), page_end = c.end_page();
     if (page_begin < page_end) {
-      if constexpr (kEarlyS) {
-        if (wg == 0) issue_s_transposing(it, page_begin, c);
-      }
+      if (wg == 0 && kEarlyS) issue_s(it, false);
       if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1, Tr::kBRightFirst);
     }
 
@@ -351,7 +320,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
         if (!kEarlyS) issue_s(ia, false);
-        if constexpr (Tr::kVNeedsTranspose && !kEarlyS) {
+        if constexpr (Tr::kVNeedsTranspose) {
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
         }
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
@@ -398,7 +367,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
-            if constexpr (kEarlyS) issue_s_transposing(ib + 1, page + 2, c);
+            issue_s(ib + 1, false);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
