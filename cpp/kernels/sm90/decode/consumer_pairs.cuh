@@ -431,12 +431,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           // call against FlashMLA's, C1 unchanged).
           auto tPA = thr_pv.partition_fragment_A(p_tile(ia, 0));
           auto tVA = v_operand(ia, 0);
+          constexpr int kHalfSteps = decltype(size<2>(tPA))::value / 2;
           warpgroup_fence_operand(tOrO);
           warpgroup_arrive();
-          wgmma_k_steps<2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
+          wgmma_k_steps<kHalfSteps>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
-          wgmma_k_steps<2>(mma_pv, tPA, tVA, tOrO, true, 2);
+          wgmma_k_steps<kHalfSteps>(mma_pv, tPA, tVA, tOrO, true, kHalfSteps);
           warpgroup_commit_batch();
         } else {
           issue_pv_smem(ia, 0, accumulate);
