@@ -421,30 +421,31 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 1, ia, event_trace::kPairAReady);
         adopt_max(softmax, plan.ref_max[0], factor);
         rescale_o(factor);
-        if (Tr::kPInRopeSlab && has_b) {
-          // bf16: P_A V_A,R's four k-steps go out two before and two after
-          // the softmax of B. A warp issuing its third m64n256 WGMMA waits
-          // until the queue, which holds WG0's P_A V_A,L too, has room
-          // (scripts/fence_wgmma_bench.cu: two fit), so all four first held
-          // the exponentials, and with them P_B and kPageBReady, behind
-          // WG0's P V (experiment pvs, session 41: C2 ~0.8 % less time per
-          // call against FlashMLA's, C1 unchanged).
-          auto tPA = thr_pv.partition_fragment_A(p_tile(ia, 0));
-          auto tVA = v_operand(ia, 0);
-          constexpr int kHalfSteps = decltype(size<2>(tPA))::value / 2;
-          warpgroup_fence_operand(tOrO);
-          warpgroup_arrive();
-          wgmma_k_steps<kHalfSteps>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
+        // The softmax of B and its reference m_B, for WG0 at kPageBReady.
+        auto softmax_b = [&] {
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
-          wgmma_k_steps<kHalfSteps>(mma_pv, tPA, tVA, tOrO, true, kHalfSteps);
+        };
+        auto tPA = thr_pv.partition_fragment_A(p_tile(ia, 0));
+        constexpr int kPvSteps = decltype(size<2>(tPA))::value;
+        if (kPvSteps > 2 && has_b) {
+          // P_A V_A,R's k-steps go out half before and half after the
+          // softmax of B. A warp issuing a third m64n256 WGMMA waits until
+          // its queue, which holds WG0's P_A V_A,L too, has room
+          // (scripts/fence_wgmma_bench.cu: two fit), so bf16's four at once
+          // held the exponentials, and with them P_B and kPageBReady, behind
+          // WG0's P V (experiment pvs, session 41: C2 ~0.8 % less time per
+          // call against FlashMLA's, C1 unchanged). fp8_per_tensor's two fit.
+          auto tVA = v_operand(ia, 0);
+          warpgroup_fence_operand(tOrO);
+          warpgroup_arrive();
+          wgmma_k_steps<kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
+          softmax_b();
+          wgmma_k_steps<kPvSteps - kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, true, kPvSteps / 2);
           warpgroup_commit_batch();
         } else {
           issue_pv_smem(ia, 0, accumulate);
-          if (has_b) {
-            softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
-            publish_max(softmax, plan.ref_max[1]);
-          }
+          if (has_b) softmax_b();
         }
         accumulate = true;
         // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
