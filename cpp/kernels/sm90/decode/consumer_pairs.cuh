@@ -138,40 +138,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     }
     warpgroup_commit_batch();
   };
-  // fp8_per_tensor's early S of page i: issue_s's k-steps in its order
-  // (left part first), with this WG's V^T half of page t (index ti) after
-  // the first slab's. Behind a full queue (the last pair's P_B V_B,w),
-  // issuing the S held the warp until all but ~5 k-steps were queued
-  // (scripts/fence_wgmma_bench.cu), so a transpose placed after it ran once
-  // the S had nearly finished; here it runs while the queue drains.
-  // WG0 (t = A = i): its V^T half was last read by the pair's P_A V_A,L,
-  // retired before kPageBReady let WG0 on. WG1 (i = B', t = A' of the next
-  // pair): V^T_A,R was last read by this pair's P_A V_A,R, retired before
-  // WG1's P_B; the transpose is WG1's last read of A's right part.
-  auto issue_s_transposing = [&](int i, int ti, int t, const auto& c) __attribute__((always_inline)) {
-    if constexpr (Tr::kVNeedsTranspose) {
-      static_assert(Tr::kPiecesPerPart == 1 && !Tr::kBRightFirst, "one piece a part, left first");
-      Tensor sK = make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{});
-      Tensor tSrK = thr_qk.partition_fragment_B(sK);
-      warpgroup_fence_operand(tSrS);
-      stamp(args, wg, i, event_trace::kSWaitStart);
-      mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
-      stamp(args, wg, i, event_trace::kSLeftLanded);
-      warpgroup_arrive();
-      wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, false, 0);
-      if (wg == 1) wait_part(ti, 1);
-      transpose_v<Tr>(plan.k[stage_of(ti)], plan.vt[0], plan.zeros, wg, tid, c.end_token - t * kBlockN);
-      if (wg == 1) release(ti);
-      warpgroup_arrive();  // after the wait loop's branch (C7520)
-      wgmma_k_steps<kPieceSteps - kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kStepsPerSlab);
-      mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
-      stamp(args, wg, i, event_trace::kSRightLanded);
-      warpgroup_arrive();
-      wgmma_k_steps<kPieceSteps>(mma_qk, tSrQ, tSrK, tSrS, true, decode_cfg::kLeftSlabs * kStepsPerSlab);
-      wgmma_k_steps<kStepsPerSlab>(mma_qk, tSrQ, tSrK, tSrS, true, kRopeStep);
-      warpgroup_commit_batch();
-    }
-  };
   // O_w (+)= P V_w with P from shared memory ...
   auto issue_pv_smem = [&](int i, int page_role, bool accumulate) __attribute__((always_inline)) {
     wgmma_batch(mma_pv, thr_pv.partition_fragment_A(p_tile(i, page_role)), v_operand(i, page_role), tOrO,
@@ -340,10 +306,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     // With early S, the first pair's S are issued here.
     const int page_begin = c.first_page(), page_end = c.end_page();
     if (page_begin < page_end) {
-      if constexpr (kEarlyS) {
-        if (wg == 0) issue_s_transposing(it, it, page_begin, c);
-        if (wg == 1 && page_begin + 1 < page_end) issue_s_transposing(it + 1, it, page_begin, c);
-      }
+      if (wg == 0 && kEarlyS) issue_s(it, false);
+      if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1, Tr::kBRightFirst);
     }
 
     // One pair loop per warpgroup (the branch outside the loops), so that
@@ -356,7 +320,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
         if (!kEarlyS) issue_s(ia, false);
-        if constexpr (Tr::kVNeedsTranspose && !kEarlyS) {
+        if constexpr (Tr::kVNeedsTranspose) {
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 0, tid, c.end_token - page * kBlockN);
         }
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
@@ -403,7 +367,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
-            if constexpr (kEarlyS) issue_s_transposing(ib + 1, ib + 1, page + 2, c);
+            issue_s(ib + 1, false);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
@@ -425,16 +389,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // ---------------------------------------------------- WG1: page B
         if (!kEarlyS && has_b) issue_s(ib, Tr::kBRightFirst);
         if constexpr (Tr::kVNeedsTranspose) {
-          // With early S, V^T_A,R went out inside S_B's issue when there is a
-          // page B. V^T_A,R was last read by the last pair's P_A V_A,R
-          // (retired); V^T_B,R by its P_B V_B,R, queued before S_B.
-          if (!kEarlyS || !has_b) {
-            wait_part(ia, 1);
-            transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
-            // WG1's last read of A's right part (WG0 hands back its own,
-            // S_A's, when S_A retires).
-            release(ia);
-          }
+          // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
+          // V^T_B,R by its P_B V_B,R, queued before S_B.
+          wait_part(ia, 1);
+          transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
+          // WG1's last read of A's right part (WG0 hands back its own, S_A's,
+          // when S_A retires): ~330 ns before kPageAReady.
+          release(ia);
           if (has_b) {
             warpgroup_wait<1>();
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 1, tid, c.end_token - (page + 1) * kBlockN);
@@ -508,7 +469,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             stamp(args, 1, ia, event_trace::kPairBReady);
           }
           if (kEarlyS && next_has_b) {
-            if constexpr (kEarlyS) issue_s_transposing(ib + 2, ib + 1, page + 2, c);
+            issue_s(ib + 2, Tr::kBRightFirst);
           } else {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
