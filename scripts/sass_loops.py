@@ -2,6 +2,7 @@
 
     python scripts/sass_loops.py .carry_main/jax_flash_mla/_jax_flash_mla*.so [--kernels 2ELb0] [--min-size 64]
     python scripts/sass_loops.py --sass listing.sass     # a saved `cuobjdump -sass` listing
+    python scripts/sass_loops.py MODULE --issue-waits    # WGMMA issues that wait for queue room, and what follows
 
 A loop is a predicated backward branch and the instructions it jumps over: spin-waits (`BRA.U.ANY`) and the
 unconditional jumps back from out-of-line blocks (an mbarrier wait's retry path at the function's end) are left out.
@@ -12,6 +13,14 @@ conditional paths inside too (the lazy O rescale); `min` is the fewest a pass th
 the forward branches that skip work (each inner loop once). For fp8_ds_mla's page loop that is the common pass
 (no O rescale, no N_g growth, no masking) less the next page's S head, which a chunk's last page skips; the pair
 loops' shortest pass is a chunk's last pair without a page B, far from their common one.
+With --issue-waits it lists instead where a warp issues more WGMMAs than its queue holds and then has other work
+before its next wait (DESIGN.md, "WGMMA issue waits on the chain"): issuing past the queue's depth holds the warp
+until the queue has room, so work placed after the issue starts only once most of it has run. Each row is a run
+of WGMMAs, how many of them were issued since the last `wait_group 0` past the depth, and the instructions that
+follow up to the next wait, barrier, tensor instruction or unconditional jump (predicated branches are followed
+through their fall-through). The scan is linear in address order and resets at every `wait_group 0`,
+unconditional jump and exit: a reading aid that says where to look, not a model of the schedule (work that runs
+after a loop's back edge, at the loop's top, is not seen).
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (where the CUDA toolkit lacks it, the nvidia-cuda-cuobjdump
 wheel has one).
 """
@@ -48,6 +57,14 @@ CLASSES = (
 COLUMNS = [name for name, _ in CLASSES] + ["other"]
 _LINE = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
 _TARGET = re.compile(r"(0x[0-9a-f]+)")
+
+
+# WGMMAs a warp can have queued before issuing one more holds it, by the instruction's N
+# (scripts/fence_wgmma_bench.cu, session 15: m64n64k32 ~5, m64n128k32 ~6, m64n256 two); other N count as 64.
+QUEUE_DEPTH = {64: 5, 128: 6, 256: 2}
+_WGMMA_SHAPE = re.compile(r"^\.(\d+)x(\d+)x(\d+)[.A-Z0-9]*")
+# What ends the work that follows a run: a wait for WGMMAs or for other threads, the end (and unconditional jumps).
+_STOPS = ("WARPGROUP.DEPBAR", "BAR.SYNC", "BAR.ARV", "SYNCS.PHASECHK", "EXIT")
 
 
 def opcode_class(opcode: str) -> str:
@@ -123,6 +140,60 @@ def report(name: str, instructions, min_size: int) -> list:
     return rows
 
 
+def _is_stop(opcode: str, modifiers: str, predicate: str) -> bool:
+    full = opcode + modifiers
+    if opcode == "BRA":
+        return not predicate  # a predicated branch: the scan follows its fall-through
+    return any(full.startswith(stop) for stop in _STOPS)
+
+
+def issue_waits(instructions, min_work: int = 8) -> list:
+    """(first, last, count, shape, past, work_end, stop, work) for each run of WGMMAs of which `past` were issued
+    beyond the queue's depth since the last wait_group 0, followed by at least min_work instructions (uniform
+    ones and branches not counted) before the next stop; work is a Counter of those instructions' opcodes."""
+    found = []
+    since_wait = 0
+    run = None  # [first, last, count, shape, past]
+    work = collections.Counter()
+
+    def close(address, opcode, modifiers):
+        nonlocal run, work
+        if run and run[4] and sum(work.values()) >= min_work:
+            found.append((run[0], run[1], run[2], run[3], run[4], address, opcode + modifiers, work))
+        run, work = None, collections.Counter()
+
+    for address, predicate, opcode, modifiers, operands in instructions:
+        if opcode_class(opcode) == "tensor":
+            if run and work:
+                close(address, opcode, modifiers)
+            shape = _WGMMA_SHAPE.match(modifiers + operands)  # parse() ends the modifiers at the shape's "x"
+            n = int(shape.group(2)) if shape else 64
+            past = since_wait >= QUEUE_DEPTH.get(n, QUEUE_DEPTH[64])
+            since_wait += 1
+            if run is None:
+                run = [address, address, 0, opcode + (shape.group(0) if shape else ""), 0]
+            run[1], run[2], run[4] = address, run[2] + 1, run[4] + past
+            continue
+        if _is_stop(opcode, modifiers, predicate):
+            close(address, opcode, modifiers)
+            if (opcode == "WARPGROUP" and "DEPBAR" in modifiers and operands.strip().endswith("0x0")) \
+                    or opcode in ("EXIT", "BRA"):
+                since_wait = 0
+            continue
+        if run and opcode_class(opcode) not in ("uniform", "branch") and opcode != "WARPGROUP":
+            work[opcode] += 1
+    return found
+
+
+def issue_wait_report(name: str, instructions) -> list:
+    rows = []
+    for first, last, count, shape, past, end, stop, work in issue_waits(instructions):
+        top = ", ".join(f"{op} {n}" for op, n in work.most_common(5))
+        rows.append(f"{name:<26} {first:#07x}-{last:#07x} {count:>2} x {shape:<22} {past:>2} past the queue; "
+                    f"then {sum(work.values()):>4} to {end:#07x} {stop:<12} ({top})")
+    return rows
+
+
 def header() -> str:
     return f"{'kernel':<26} {'loop':<21} {'instr':>6} {'min':>6} " + " ".join(f"{c:>7}" for c in COLUMNS)
 
@@ -138,14 +209,21 @@ def main(argv=None) -> int:
     parser.add_argument("--sass", help="a saved cuobjdump -sass listing of one kernel, instead of a module")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"keys among {','.join(KERNELS)}")
     parser.add_argument("--min-size", type=int, default=64, help="smallest loop reported, in instructions")
+    parser.add_argument("--issue-waits", action="store_true",
+                        help="list WGMMA runs issued past the queue's depth with work behind them, not the loops")
     parser.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump"))
     args = parser.parse_args(argv)
     if (args.module is None) == (args.sass is None):
         parser.error("give exactly one of a module and --sass")
-    print(header())
+
+    def rows(name, instructions):
+        return issue_wait_report(name, instructions) if args.issue_waits else report(name, instructions, args.min_size)
+
+    if not args.issue_waits:
+        print(header())
     if args.sass:
         with open(args.sass) as f:
-            print("\n".join(report(os.path.basename(args.sass), parse(f.read()), args.min_size)))
+            print("\n".join(rows(os.path.basename(args.sass), parse(f.read()))))
         return 0
     if not args.cuobjdump:
         parser.error("no cuobjdump: pass --cuobjdump or set $CUOBJDUMP")
@@ -156,7 +234,7 @@ def main(argv=None) -> int:
         if not instructions:
             print(f"{KERNELS[key]:<26} (not in this module)")
             continue
-        print("\n".join(report(KERNELS[key], instructions, args.min_size)))
+        print("\n".join(rows(KERNELS[key], instructions)))
     return 0
 
 

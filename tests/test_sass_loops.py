@@ -79,3 +79,50 @@ def test_shortest_pass_takes_the_skipping_branches():
     assert sum(sass_loops.mix(instructions, 0x10, 0xA0).values()) == 10
     # 0x10, 0x20 -> 0x60 -> 0x90, 0xa0: the skipped block and the shorter arm.
     assert sass_loops.shortest_pass(instructions, 0x10, 0xA0) == 5
+
+
+# Issue waits: four m64n256 P V k-steps (the queue holds two) and then the exponentials before a barrier, as main's
+# bf16 WG1 had until session 41; after a wait_group 0, two k-steps (within the depth) followed by the same work.
+def _issue_listing(first_run: int) -> str:
+    lines, address = [], 0
+
+    def emit(text):
+        nonlocal address
+        lines.append(f"        /*{address:04x}*/                   {text} ;")
+        address += 0x10
+
+    emit("WARPGROUP.ARRIVE")
+    for _ in range(first_run):
+        emit("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR20].tnspB, R24")
+        emit("UIADD3 UR20, UR34, 0x2, URZ")
+    emit("@P0 BRA 0x400")  # a predicated branch: the scan follows its fall-through
+    for _ in range(10):
+        emit("MUFU.EX2 R4, R4")
+    emit("BAR.SYNC.DEFER_BLOCKING 0x5, 0x100")
+    emit("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    for _ in range(2):
+        emit("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR20].tnspB, R24")
+    for _ in range(10):
+        emit("FMUL R4, R4, R5")
+    emit("BAR.SYNC.DEFER_BLOCKING 0x6, 0x100")
+    return "\n".join(lines)
+
+
+def test_issue_waits_flag_work_behind_an_issue_past_the_queue():
+    found = sass_loops.issue_waits(sass_loops.parse(_issue_listing(4)))
+    assert len(found) == 1
+    first, last, count, shape, past, end, stop, work = found[0]
+    assert (first, count, shape, past) == (0x10, 4, "HGMMA.64x256x16.F32.BF16", 2)
+    assert work == {"MUFU": 10} and stop.startswith("BAR.SYNC")
+    # Two k-steps fit the queue: nothing to report, before or after the wait_group 0.
+    assert sass_loops.issue_waits(sass_loops.parse(_issue_listing(2))) == []
+    # Work below the threshold is not reported.
+    assert sass_loops.issue_waits(sass_loops.parse(_issue_listing(4)), min_work=11) == []
+
+
+def test_issue_waits_report(tmp_path, capsys):
+    path = tmp_path / "k.sass"
+    path.write_text(_issue_listing(4))
+    assert sass_loops.main(["--sass", str(path), "--issue-waits"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "4 x HGMMA.64x256x16" in lines[0] and "2 past the queue" in lines[0]
