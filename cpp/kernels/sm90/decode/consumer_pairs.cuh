@@ -441,14 +441,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_arrive();
           wgmma_k_steps<kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
           softmax_b();
-          // pvs3: P_B stored before the last k-steps, whose issue may wait
-          // for queue room; only kPageBReady's barrier follows them.
-          if constexpr (Tr::kPInRopeSlab) {
-            zero_stale_v(ib, page + 1, c);
-            store_p(tSrSb, ib, 1);
-            stamp(args, wg, ib, event_trace::kPairStored);
-            fence_proxy_async_smem();
-          }
           wgmma_k_steps<kPvSteps - kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, true, kPvSteps / 2);
           warpgroup_commit_batch();
         } else {
@@ -462,13 +454,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
         // gain from publishing it early: experiment pbearly, session 15.)
         if constexpr (Tr::kPInRopeSlab) {
-          if (has_b) {
-            if constexpr (kPvSteps > 2) {
-              named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
-            } else {
-              publish_p(tSrSb, ib, page + 1, 1, c);
-            }
-          }
+          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
           stamp(args, 1, ia, event_trace::kPairBReady);
         }
         warpgroup_wait<0>();
