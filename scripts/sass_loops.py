@@ -16,11 +16,10 @@ loops' shortest pass is a chunk's last pair without a page B, far from their com
 With --issue-waits it lists instead where a warp issues more WGMMAs than its queue holds and then has other work
 before its next wait (DESIGN.md, "WGMMA issue waits on the chain"): issuing past the queue's depth holds the warp
 until the queue has room, so work placed after the issue starts only once most of it has run. Each row is a run
-of WGMMAs, how many of them were issued since the last `wait_group 0` past the depth, and the instructions that
-follow up to the next wait, barrier, tensor instruction or unconditional jump (predicated branches are followed
-through their fall-through). The scan is linear in address order and resets at every `wait_group 0`,
-unconditional jump and exit: a reading aid that says where to look, not a model of the schedule (work that runs
-after a loop's back edge, at the loop's top, is not seen).
+of WGMMAs, how many of them were issued past the depth since the last `wait_group 0` (counted in address order,
+from zero after every `wait_group 0`, unconditional jump and exit), and the instructions that follow on the
+steady-state path (the back edge of a loop around the run taken, other branches not) up to the next wait,
+barrier or tensor instruction. A reading aid that says where to look, not a model of the schedule.
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (where the CUDA toolkit lacks it, the nvidia-cuda-cuobjdump
 wheel has one).
 """
@@ -63,7 +62,7 @@ _TARGET = re.compile(r"(0x[0-9a-f]+)")
 # (scripts/fence_wgmma_bench.cu, session 15: m64n64k32 ~5, m64n128k32 ~6, m64n256 two); other N count as 64.
 QUEUE_DEPTH = {64: 5, 128: 6, 256: 2}
 _WGMMA_SHAPE = re.compile(r"^\.(\d+)x(\d+)x(\d+)[.A-Z0-9]*")
-# What ends the work that follows a run: a wait for WGMMAs or for other threads, the end (and unconditional jumps).
+# What ends the work that follows a run: a wait for WGMMAs or for other threads, the end.
 _STOPS = ("WARPGROUP.DEPBAR", "BAR.SYNC", "BAR.ARV", "SYNCS.PHASECHK", "EXIT")
 
 
@@ -140,48 +139,74 @@ def report(name: str, instructions, min_size: int) -> list:
     return rows
 
 
-def _is_stop(opcode: str, modifiers: str, predicate: str) -> bool:
-    full = opcode + modifiers
-    if opcode == "BRA":
-        return not predicate  # a predicated branch: the scan follows its fall-through
-    return any(full.startswith(stop) for stop in _STOPS)
+def _waits(opcode: str, modifiers: str) -> bool:
+    """A wait for WGMMAs or for other threads, or the end: what ends the work that follows a run."""
+    return any((opcode + modifiers).startswith(stop) for stop in _STOPS)
 
 
-def issue_waits(instructions, min_work: int = 8) -> list:
-    """(first, last, count, shape, past, work_end, stop, work) for each run of WGMMAs of which `past` were issued
-    beyond the queue's depth since the last wait_group 0, followed by at least min_work instructions (uniform
-    ones and branches not counted) before the next stop; work is a Counter of those instructions' opcodes."""
-    found = []
-    since_wait = 0
-    run = None  # [first, last, count, shape, past]
-    work = collections.Counter()
-
-    def close(address, opcode, modifiers):
-        nonlocal run, work
-        if run and run[4] and sum(work.values()) >= min_work:
-            found.append((run[0], run[1], run[2], run[3], run[4], address, opcode + modifiers, work))
-        run, work = None, collections.Counter()
-
-    for address, predicate, opcode, modifiers, operands in instructions:
+def _runs(instructions) -> list:
+    """[first, last, count, shape, past] (instruction indices) of each run of WGMMAs in address order; past counts
+    those issued when the queue's depth of WGMMAs had been issued since the last wait_group 0. A run goes on
+    across uniform instructions, branches and warpgroup.arrive; anything else ends it."""
+    runs, run, since_wait = [], None, 0
+    for i, (address, predicate, opcode, modifiers, operands) in enumerate(instructions):
         if opcode_class(opcode) == "tensor":
-            if run and work:
-                close(address, opcode, modifiers)
             shape = _WGMMA_SHAPE.match(modifiers + operands)  # parse() ends the modifiers at the shape's "x"
             n = int(shape.group(2)) if shape else 64
             past = since_wait >= QUEUE_DEPTH.get(n, QUEUE_DEPTH[64])
             since_wait += 1
             if run is None:
-                run = [address, address, 0, opcode + (shape.group(0) if shape else ""), 0]
-            run[1], run[2], run[4] = address, run[2] + 1, run[4] + past
+                run = [i, i, 0, opcode + (shape.group(0) if shape else ""), 0]
+                runs.append(run)
+            run[1], run[2], run[4] = i, run[2] + 1, run[4] + past
             continue
-        if _is_stop(opcode, modifiers, predicate):
-            close(address, opcode, modifiers)
-            if (opcode == "WARPGROUP" and "DEPBAR" in modifiers and operands.strip().endswith("0x0")) \
-                    or opcode in ("EXIT", "BRA"):
-                since_wait = 0
-            continue
-        if run and opcode_class(opcode) not in ("uniform", "branch") and opcode != "WARPGROUP":
+        if opcode_class(opcode) not in ("uniform", "branch") and opcode + modifiers != "WARPGROUP.ARRIVE":
+            run = None
+        if (opcode == "WARPGROUP" and "DEPBAR" in modifiers and operands.strip().endswith("0x0")) \
+                or opcode == "EXIT" or (opcode == "BRA" and not predicate):
+            since_wait, run = 0, None
+    return runs
+
+
+def _work_after(instructions, run_first: int, index: int):
+    """(stop index or None, Counter of opcodes) of the instructions a warp runs from index up to the next wait or
+    tensor instruction, on the steady-state path: the back edge of a loop around the run (a predicated backward
+    branch to at most run_first) taken, so that the loop goes round; other predicated branches not (the blocks
+    they skip, the out-of-line wait retries, a later loop's repeats); unconditional jumps followed."""
+    position = {ins[0]: i for i, ins in enumerate(instructions)}
+    work, seen = collections.Counter(), set()
+    i = index
+    while i < len(instructions) and i not in seen:
+        seen.add(i)
+        address, predicate, opcode, modifiers, operands = instructions[i]
+        if opcode_class(opcode) == "tensor" or _waits(opcode, modifiers):
+            return i, work
+        if opcode == "BRA":
+            target = _TARGET.search(operands)
+            destination = position.get(int(target.group(1), 16)) if target else None
+            if destination is not None and ".U" not in modifiers and (not predicate or destination <= run_first):
+                i = destination
+                continue
+        elif opcode_class(opcode) not in ("uniform", "branch") and opcode != "WARPGROUP":
             work[opcode] += 1
+        i += 1
+    return None, work
+
+
+def issue_waits(instructions, min_work: int = 8) -> list:
+    """(first, last, count, shape, past, work_end, stop, work) for each run of WGMMAs of which `past` were issued
+    beyond the queue's depth since the last wait_group 0 (addresses for first, last and work_end), followed by at
+    least min_work instructions (uniform ones and branches not counted) before the next wait or tensor
+    instruction on the steady-state path; work is a Counter of those instructions' opcodes."""
+    found = []
+    for first, last, count, shape, past in _runs(instructions):
+        if not past:
+            continue
+        stop, work = _work_after(instructions, first, last + 1)
+        if sum(work.values()) >= min_work:
+            end, label = ((instructions[stop][0], instructions[stop][2] + instructions[stop][3])
+                          if stop is not None else (instructions[-1][0], "(no wait)"))
+            found.append((instructions[first][0], instructions[last][0], count, shape, past, end, label, work))
     return found
 
 

@@ -126,3 +126,23 @@ def test_issue_waits_report(tmp_path, capsys):
     assert sass_loops.main(["--sass", str(path), "--issue-waits"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and "4 x HGMMA.64x256x16" in lines[0] and "2 past the queue" in lines[0]
+
+
+# An early S at a loop's end (18 k-steps of m64n64k32, the queue holds five) and the next pass's transpose at the
+# loop's top, before its wait_group 0: the work is found across the back edge.
+EARLY_S = "\n".join(
+    [f"        /*{0x10 * i:04x}*/                   LDSM.16.MT88.4 R8, [R9] ;" for i in range(1, 9)]
+    + ["        /*0090*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+       "        /*00a0*/                   WARPGROUP.ARRIVE ;"]
+    + [f"        /*{0xb0 + 0x10 * i:04x}*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R152, gdesc[UR20], R152 ;"
+       for i in range(18)]
+    + ["        /*01d0*/               @P0 BRA 0x10 ;",
+       "        /*01e0*/                   EXIT ;"])
+
+
+def test_issue_waits_follow_the_loop_around_the_run():
+    found = sass_loops.issue_waits(sass_loops.parse(EARLY_S))
+    assert len(found) == 1
+    first, last, count, shape, past, end, stop, work = found[0]
+    assert (first, last, count, past) == (0xB0, 0x1C0, 18, 13) and shape.startswith("QGMMA.64x64x32")
+    assert work == {"LDSM": 8} and end == 0x90 and stop.startswith("WARPGROUP.DEPBAR")
