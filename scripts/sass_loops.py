@@ -79,6 +79,12 @@ def parse(listing: str) -> list:
             for m in _LINE.finditer(listing)]
 
 
+def branch_target(opcode: str, operands: str):
+    """The address a branch jumps to, or None (not a branch, or a target given otherwise)."""
+    target = _TARGET.search(operands) if opcode == "BRA" else None
+    return int(target.group(1), 16) if target else None
+
+
 def loops(instructions, min_size: int = 1) -> list:
     """(start, end) addresses of every predicated backward branch's span of at least min_size instructions
     (spin-waits excluded), in address order; the span includes the branch."""
@@ -86,11 +92,9 @@ def loops(instructions, min_size: int = 1) -> list:
     for address, predicate, opcode, modifiers, operands in instructions:
         if opcode != "BRA" or not predicate or ".U" in modifiers:
             continue
-        target = _TARGET.search(operands)
-        if target:
-            start = int(target.group(1), 16)
-            if start < address and (address - start) // 16 + 1 >= min_size:
-                found.add((start, address))
+        start = branch_target(opcode, operands)
+        if start is not None and start < address and (address - start) // 16 + 1 >= min_size:
+            found.add((start, address))
     return sorted(found)
 
 
@@ -106,12 +110,11 @@ def shortest_pass(instructions, start: int, end: int) -> int:
     for i, (address, predicate, opcode, modifiers, operands) in enumerate(body):
         if fewest[i] == unreached:
             continue
-        target = _TARGET.search(operands) if opcode == "BRA" else None
+        target = branch_target(opcode, operands)
         nexts = []
-        if target and address < int(target.group(1), 16) <= end:
-            nexts.append(position[int(target.group(1), 16)])
-        if not (opcode == "BRA" and not predicate and target and int(target.group(1), 16) > address) \
-                and i + 1 < len(body):
+        if target is not None and address < target <= end:
+            nexts.append(position[target])
+        if not (not predicate and target is not None and target > address) and i + 1 < len(body):
             nexts.append(i + 1)
         for j in nexts:
             fewest[j] = min(fewest[j], fewest[i] + 1)
@@ -144,6 +147,11 @@ def _waits(opcode: str, modifiers: str) -> bool:
     return any((opcode + modifiers).startswith(stop) for stop in _STOPS)
 
 
+def _is_work(opcode: str, modifiers: str) -> bool:
+    """Neither a tensor instruction's addressing (uniform), a branch, nor the warpgroup.arrive of a run."""
+    return opcode_class(opcode) not in ("uniform", "branch") and opcode + modifiers != "WARPGROUP.ARRIVE"
+
+
 def _runs(instructions) -> list:
     """[first, last, count, shape, past] (instruction indices) of each run of WGMMAs in address order; past counts
     those issued when the queue's depth of WGMMAs had been issued since the last wait_group 0. A run goes on
@@ -160,7 +168,7 @@ def _runs(instructions) -> list:
                 runs.append(run)
             run[1], run[2], run[4] = i, run[2] + 1, run[4] + past
             continue
-        if opcode_class(opcode) not in ("uniform", "branch") and opcode + modifiers != "WARPGROUP.ARRIVE":
+        if _is_work(opcode, modifiers):
             run = None
         if (opcode == "WARPGROUP" and "DEPBAR" in modifiers and operands.strip().endswith("0x0")) \
                 or opcode == "EXIT" or (opcode == "BRA" and not predicate):
@@ -168,12 +176,12 @@ def _runs(instructions) -> list:
     return runs
 
 
-def _work_after(instructions, run_first: int, index: int):
+def _work_after(instructions, position: dict, run_first: int, index: int):
     """(stop index or None, Counter of opcodes) of the instructions a warp runs from index up to the next wait or
     tensor instruction, on the steady-state path: the back edge of a loop around the run (a predicated backward
     branch to at most run_first) taken, so that the loop goes round; other predicated branches not (the blocks
-    they skip, the out-of-line wait retries, a later loop's repeats); unconditional jumps followed."""
-    position = {ins[0]: i for i, ins in enumerate(instructions)}
+    they skip, the out-of-line wait retries, a later loop's repeats); unconditional jumps followed. position maps
+    an address to its instruction's index."""
     work, seen = collections.Counter(), set()
     i = index
     while i < len(instructions) and i not in seen:
@@ -181,13 +189,11 @@ def _work_after(instructions, run_first: int, index: int):
         address, predicate, opcode, modifiers, operands = instructions[i]
         if opcode_class(opcode) == "tensor" or _waits(opcode, modifiers):
             return i, work
-        if opcode == "BRA":
-            target = _TARGET.search(operands)
-            destination = position.get(int(target.group(1), 16)) if target else None
-            if destination is not None and ".U" not in modifiers and (not predicate or destination <= run_first):
-                i = destination
-                continue
-        elif opcode_class(opcode) not in ("uniform", "branch") and opcode != "WARPGROUP":
+        destination = position.get(branch_target(opcode, operands))
+        if destination is not None and ".U" not in modifiers and (not predicate or destination <= run_first):
+            i = destination
+            continue
+        if _is_work(opcode, modifiers):
             work[opcode] += 1
         i += 1
     return None, work
@@ -199,10 +205,11 @@ def issue_waits(instructions, min_work: int = 8) -> list:
     least min_work instructions (uniform ones and branches not counted) before the next wait or tensor
     instruction on the steady-state path; work is a Counter of those instructions' opcodes."""
     found = []
+    position = {ins[0]: i for i, ins in enumerate(instructions)}
     for first, last, count, shape, past in _runs(instructions):
         if not past:
             continue
-        stop, work = _work_after(instructions, first, last + 1)
+        stop, work = _work_after(instructions, position, first, last + 1)
         if sum(work.values()) >= min_work:
             end, label = ((instructions[stop][0], instructions[stop][2] + instructions[stop][3])
                           if stop is not None else (instructions[-1][0], "(no wait)"))
