@@ -236,11 +236,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
   // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
   // then rescales O by `factor` and queues the WG's own P V.
-  auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
+  // stage_p is its first half: stale V rows zeroed and P stored, fenced for
+  // the WGMMAs; the ready barrier that publishes them may come later.
+  auto stage_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
     zero_stale_v(i, page, c);
     store_p(tP, i, page_role);
     stamp(args, wg, i, event_trace::kPairStored);
     fence_proxy_async_smem();
+  };
+  auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
+    stage_p(tP, i, page, page_role, c);
     // Both WGs pass the ready barrier, so it also orders this WG's own
     // writes (P, zeroed V rows) before its WGMMA reads them.
     named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
@@ -436,11 +441,17 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           // held the exponentials, and with them P_B and kPageBReady, behind
           // WG0's P V (experiment pvs, session 41: C2 ~0.8 % less time per
           // call against FlashMLA's, C1 unchanged). fp8_per_tensor's two fit.
+          // bf16 stores P_B before the last two too, so that only
+          // kPageBReady's barrier waits behind their issue (pvs3, session 43:
+          // C2 ~0.3 % less time per call against FlashMLA's). Its tile is not
+          // P_A's, and its last reader, the last pair's P_B V_B,L, retired
+          // before kPageAReady.
           auto tVA = v_operand(ia, 0);
           warpgroup_fence_operand(tOrO);
           warpgroup_arrive();
           wgmma_k_steps<kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
           softmax_b();
+          if constexpr (Tr::kPInRopeSlab) stage_p(tSrSb, ib, page + 1, 1, c);
           wgmma_k_steps<kPvSteps - kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, true, kPvSteps / 2);
           warpgroup_commit_batch();
         } else {
@@ -448,13 +459,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           if (has_b) softmax_b();
         }
         accumulate = true;
-        // bf16: P_B goes out while P_A V_A,R runs (its tile is not P_A's, and
-        // its last reader, the last pair's P_B V_B,L, retired before
-        // kPageAReady). P_A V_A,R retires before O is rescaled.
-        // (fp8_per_tensor, whose P_B has a tile of its own too, measured no
-        // gain from publishing it early: experiment pbearly, session 15.)
+        // bf16: P_B, stored above, goes out while P_A V_A,R runs, which
+        // retires before O is rescaled. (fp8_per_tensor, whose P_B has a tile
+        // of its own too, measured no gain from publishing it early:
+        // experiment pbearly, session 15.)
+        static_assert(!Tr::kPInRopeSlab || kPvSteps > 2, "P_B is stored inside P_A V_A,R's split issue");
         if constexpr (Tr::kPInRopeSlab) {
-          if (has_b) publish_p(tSrSb, ib, page + 1, 1, c);
+          if (has_b) named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 1, ia, event_trace::kPairBReady);
         }
         warpgroup_wait<0>();
