@@ -7,10 +7,10 @@
 #   BUILDS="main sync slab" bash scripts/gpu_compare.sh
 # Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
 # "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
-# --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK =1 to leave a step out (the first build listed is taken as the
-# baseline: only benched); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke run, tests/gpu_sanitize.py, fails
-# or times out gets no further step); PYTEST_WORKERS (default from the card: scripts/gpu_test_share.py, 15 on an
-# H200, 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's run of a
+# --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK / SKIP_BENCH =1 to leave a step out (the first build listed is
+# taken as the baseline: only benched, so with SKIP_BENCH it runs nothing); SMOKE_TIMEOUT (seconds, default 60: a
+# build whose smoke run, tests/gpu_sanitize.py, fails or times out gets no further step); PYTEST_WORKERS (default
+# from the card: scripts/gpu_test_share.py, 15 on an H200, 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one build's GPU tests / one format's run of a
 # sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer tools run per format when SKIP_RACECHECK is
 # not 1, default "racecheck", e.g. "racecheck synccheck"); SANITIZE_RETRIES (reruns of a sanitizer run that
 # segfaulted, rc 139: default 2);
@@ -140,6 +140,10 @@ for i in "${!builds[@]}"; do
   elif ((checks)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
     line+=$(sanitize "$tag" tests/gpu_sanitize.py)
   fi
+  if [[ ${SKIP_BENCH:-0} == 1 ]]; then
+    summary+=("$line")
+    continue
+  fi
   read -r -a bench_args <<< "${BENCH_ARGS:-}"
   bench_formats=$formats
   ((i == 0)) && bench_formats=${BASELINE_FORMATS:-$formats}
@@ -148,11 +152,12 @@ for i in "${!builds[@]}"; do
     > "$logs/bench_$tag.log" 2>&1
   line+=" bench rc=$?"
   summary+=("$line")
-  # Columns: loop median (us), and with --trace the decode's span (last column). Printed as they come too, so that a
-  # call cut short by its time limit still shows the builds it finished.
-  grep -E "^(M1|C1|C2|VL) " "$logs/bench_$tag.log" \
-    | awk -v n="$tag" '{printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (NF >= 7 ? $7 : "-")}' \
-    | tee -a "$logs/table.txt"
+  # Columns: loop median (us), and the decode's span where the bench table has that column (--trace: the one after
+  # "max"; without it that place holds TFLOPS, so the span is "-"). Printed as they come too, so that a call cut
+  # short by its time limit still shows the builds it finished.
+  awk -v n="$tag" '$1 == "shape" { span = ($7 == "span") ? 7 : 0; next }
+    /^(M1|C1|C2|VL) / { printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (span ? $span : "-") }' \
+    "$logs/bench_$tag.log" | tee -a "$logs/table.txt"
 done
 
 rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla
