@@ -30,8 +30,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 # Logs go to a work folder; at the end they are packed into one archive under $OUT (the device tool brings back
-# only a few files), and racecheck's first hazards are printed.
-logs=/tmp/jax_flash_mla_compare
+# only a few files), and racecheck's first hazards are printed. COMPARE_LOGS names another work folder.
+logs=${COMPARE_LOGS:-/tmp/jax_flash_mla_compare}
 rm -rf "$logs" && mkdir -p "$logs"
 PY=${PYTHON:-python3}
 formats=${FORMATS:-bf16 fp8_per_tensor}
@@ -175,5 +175,7 @@ if [[ -n ${OUT:-} ]]; then
   while [[ -e $OUT/compare_logs_$n.tar.gz ]]; do n=$((n + 1)); done
   tar czf "$OUT/compare_logs_$n.tar.gz" --exclude=package_pristine -C "$logs" .
 fi
-echo
-sort -k2,2 -k3,3 -s "$logs/table.txt" 2> /dev/null
+if [[ -f $logs/table.txt ]]; then  # none when every bench was skipped
+  echo
+  sort -k2,2 -k3,3 -s "$logs/table.txt"
+fi
