@@ -5,15 +5,15 @@
 # Here (no GPU): build each candidate with scripts/build_carry.sh (another commit: scripts/build_carry_at.sh) and copy
 # its .carry to .carry_<name>; then on the GPU machine, with carry=[".carry_<name>", ...]:
 #   BUILDS="main sync slab" bash scripts/gpu_compare.sh
-# Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default
-# "bf16 fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g.
-# --unroll); SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK / SKIP_BENCH =1 to leave a step out (the first build listed is
-# taken as the baseline: only benched, so with SKIP_BENCH it runs nothing); SMOKE_TIMEOUT (seconds, default 60: a
-# build whose smoke run, tests/gpu_sanitize.py, fails or times out gets no further step); PYTEST_WORKERS (default
-# from the card: scripts/gpu_test_share.py, 15 on an H200, 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds
-# for one build's GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer tools run per format when SKIP_RACECHECK is
-# not 1, default "racecheck", e.g. "racecheck synccheck"); SANITIZE_RETRIES (reruns of a sanitizer run that
-# segfaulted, rc 139: default 2);
+# Environment (optional): BUILDS (names of .carry_<name>, default: every .carry_* here); FORMATS (default "bf16
+# fp8_per_tensor"); SHAPES (bench shapes, default M1,C1,C2); BENCH_ARGS (more bench arguments, e.g. --unroll);
+# SKIP_SMOKE / SKIP_TESTS / SKIP_RACECHECK / SKIP_BENCH =1 to leave a step out (the first build listed is taken as the
+# baseline: only benched, so with SKIP_BENCH it runs nothing); SMOKE_TIMEOUT (seconds, default 60: a build whose smoke
+# run, tests/gpu_sanitize.py, fails or times out gets no further step); PYTEST_WORKERS (default from the card:
+# scripts/gpu_test_share.py, 15 on an H200, 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one build's
+# GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer tools run per
+# format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck"); SANITIZE_RETRIES (reruns of a
+# sanitizer run that segfaulted, rc 139: default 2);
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's

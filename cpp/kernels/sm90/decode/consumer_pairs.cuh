@@ -233,11 +233,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       }
     }
   };
-  // Publishes this WG's page of the pair (page_role 0: A at kPageAReady by
-  // WG0, 1: B at kPageBReady by WG1): stale V rows zeroed, P in its tile;
-  // then rescales O by `factor` and queues the WG's own P V.
-  // stage_p is its first half: stale V rows zeroed and P stored, fenced for
-  // the WGMMAs; the ready barrier that publishes them may come later.
+  // Publishing this WG's page of the pair (page_role 0: A at kPageAReady by
+  // WG0, 1: B at kPageBReady by WG1): stage_p zeroes its stale V rows and
+  // stores P in its tile, fenced for the WGMMAs; the ready barrier then
+  // hands them over (publish_p: both steps at once; bf16's WG1 stages P_B
+  // earlier). publish_page then rescales O by `factor` and queues the WG's
+  // own P V.
   auto stage_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
     zero_stale_v(i, page, c);
     store_p(tP, i, page_role);
