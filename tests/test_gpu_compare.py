@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_compare.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 # The bench's table as jax_flash_mla.bench prints it: "span" follows "max" only with --trace.
 STUB_PYTHON = r"""#!/usr/bin/env bash
@@ -62,7 +63,6 @@ def summary(out):
     return out.split("==== summary\n", 1)[1].splitlines()
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_baseline_is_benched_and_the_candidate_checked(tree):
     out, ran = run(tree)
     assert summary(out)[:2] == ["base: bench rc=0",
@@ -71,7 +71,6 @@ def test_baseline_is_benched_and_the_candidate_checked(tree):
     assert sum("-m pytest" in c for c in ran) == 1
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_skip_bench_runs_no_bench(tree):
     out, ran = run(tree, SKIP_BENCH="1")
     assert summary(out)[:2] == ["base:", "cand: smoke ok; tests rc=0 (3 passed in 1.00s);"]
@@ -79,7 +78,6 @@ def test_skip_bench_runs_no_bench(tree):
     assert sum("-m pytest" in c for c in ran) == 1
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("bench_args, span", [("", "-"), ("--trace /tmp/trace", "450.5")])
 def test_table_shows_a_span_only_from_the_span_column(tree, bench_args, span):
     out, _ = run(tree, BENCH_ARGS=bench_args)
