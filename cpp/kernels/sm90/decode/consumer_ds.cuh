@@ -270,26 +270,19 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
 
   // This thread's page-invariant addressing, kept in plan.page_lane: its
   // transpose_v lane, its P-store offset in the group tiles (this WG's token
-  // groups 2 wg, 2 wg + 1), and its lane, fragment rows and tok_first packed
-  // in one word (a byte each). Only this thread writes and reads its entry
-  // (program order), and nothing else touches the region. The loads are
-  // volatile: hoisted out of the page loop, the values would take registers
-  // next to O; and derived from the thread index in the loop, ptxas reads
-  // SR_TID again each page (three S2R a page, each a short-scoreboard wait).
+  // groups 2 wg, 2 wg + 1) and tok_first. Only this thread writes and reads
+  // its entry (program order), and nothing else touches the region. The
+  // loads are volatile: hoisted out of the page loop, the values would take
+  // registers next to O.
   struct PageLane {
     TransposeLane transpose;
     uint32_t p_store;
-    uint32_t lane_rows_tok;  // lane | rows[0] << 8 | rows[1] << 16 | tok_first << 24
-    __device__ int lane() const { return int(lane_rows_tok & 0xffu); }
-    __device__ int row(int h) const { return int((lane_rows_tok >> (8 + 8 * h)) & 0xffu); }
-    __device__ int tok_first() const { return int(lane_rows_tok >> 24); }
+    int tok_first;
   };
   static_assert(sizeof(PageLane) == sizeof(plan.page_lane[0]), "one 32-byte entry a consumer thread");
   const uint32_t page_lane_addr = smem_addr(plan.page_lane[ctid]);
   {
-    const uint32_t packed = uint32_t(lane) | uint32_t(rows[0]) << 8 | uint32_t(rows[1]) << 16 |
-                            uint32_t(tok_first) << 24;
-    const PageLane mine{transpose_lane<Tr>(wg, tid), p_store_offset<Tr>(tid / 32, lane, 2 * wg), packed};
+    const PageLane mine{transpose_lane<Tr>(wg, tid), p_store_offset<Tr>(tid / 32, lane, 2 * wg), tok_first};
     uint32_t w[8];
     memcpy(w, &mine, sizeof(w));
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
@@ -359,18 +352,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
 
     const int page_begin = c.first_page();
     const int page_end = c.end_page();
-    // Loaded a page ahead, at the end of the page before: at the page's top
-    // the transpose's first addresses would wait for this load.
-    PageLane pl = load_page_lane();
     for (int page = page_begin; page < page_end; ++page, ++it) {
       stamp(args, wg, it, event_trace::kDsTop);
       const int stage = it % Tr::kNumStages;
       const int valid = c.end_token - page * kBlockN;  // tokens of the page inside the chunk
       // (The slot's k_full was waited for by issue_s_head.)
       const uint32_t slot = smem_addr(plan.k[stage]);
-      const int pl_lane = pl.lane();
-      const int pl_rows[2] = {pl.row(0), pl.row(1)};
-      const uint32_t my_scales = ds_scale_addr(slot, pl.tok_first());
+      const PageLane pl = load_page_lane();
+      const uint32_t my_scales = ds_scale_addr(slot, pl.tok_first);
       // The transpose while this page's S head (RoPE, group 0) and the last
       // page's P V are in flight.
       transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, pl.transpose, valid);
@@ -392,14 +381,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // Every warp reduces all 64 tokens on its own, so all agree on the
       // running N_g = max(N_g, n_g) and on how much O_g shrinks.
       float n[kGroups];
-      ds_page_scale_max(slot, pl_lane, valid, n);
+      ds_page_scale_max(slot, lane, valid, n);
       // k_scale[t_j, g] of this thread's 8 tokens (value v of the fragment is
       // token j = token_of(v), at offset token_offset(j) from tok_first), one
       // 16-byte load per token, 0 past the chunk (slots there may hold NaN:
       // those scores are masked by selection after the promotion, and P would
       // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= kPNormalizer / N_g).
       // Token tok_first + o is valid iff o < valid - tok_first: one compare with an immediate a token.
-      const int valid_mine = valid - pl.tok_first();
+      const int valid_mine = valid - pl.tok_first;
       float ksc[8][kGroups];
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
@@ -448,7 +437,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       stamp(args, wg, it, event_trace::kDsSRetired);
       // The slot's last reads (S retired, V^T and the scales copied): the
       // producer may refill it while this page's softmax and P V run.
-      release_slot(plan, stage, pl_lane);
+      release_slot(plan, stage, lane);
       promote(tSrT1, 3);
       warpgroup_fence_operand(tSrS);
       // This page's scores leave the accumulator, times q's row scale (the
@@ -457,7 +446,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // serialize, C7515), and the head of the next page's S goes out.
       Tensor sc = make_fragment_like(tSrS);
       {
-        const float qs[2] = {plan.q_scale[pl_rows[0]], plan.q_scale[pl_rows[1]]};
+        const float qs[2] = {plan.q_scale[rows[0]], plan.q_scale[rows[1]]};
         CUTE_UNROLL
         for (int v = 0; v < size(tSrS); ++v) sc(v) = tSrS(v) * qs[fragment_row_half(v)];
       }
@@ -472,21 +461,15 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       asm volatile("" : "+r"(seqlen));
       int min_limit = c.end_token;
       if (p.causal) {
-        limit[0] = min(limit[0], seqlen - plan.row_lag[pl_rows[0]]);
-        limit[1] = min(limit[1], seqlen - plan.row_lag[pl_rows[1]]);
+        limit[0] = min(limit[0], seqlen - plan.row_lag[rows[0]]);
+        limit[1] = min(limit[1], seqlen - plan.row_lag[rows[1]]);
         min_limit = min(min_limit, seqlen - p.seqlen_q + 1);
       }
-      if (page * kBlockN + kBlockN > min_limit) {
-        // mask_invisible's selection, with the columns from tok_first (tScS's would read SR_TID).
-        const int tok_mine = page * kBlockN + pl.tok_first();
-        CUTE_UNROLL
-        for (int v = 0; v < size(sc); ++v) {
-          if (tok_mine + token_offset(token_of(v)) >= limit[fragment_row_half(v)]) sc(v) = -INFINITY;
-        }
-      }
+      const int tok0 = page * kBlockN + wg * kNPerWG;
+      if (page * kBlockN + kBlockN > min_limit) mask_invisible(sc, tScS, tok0, limit);
 
       float page_max[2];
-      page_row_max(plan, sc, it, wg, pl_lane, pl_rows, page_max);
+      page_row_max(plan, sc, it, wg, lane, rows, page_max);
       stamp(args, wg, it, event_trace::kDsMaxReady);
 
       float o_scale[2];
@@ -523,7 +506,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         }
       }
       stamp(args, wg, it, event_trace::kDsPStored);
-      pl = load_page_lane();
       fence_proxy_async_smem();
       named_barrier_sync(NamedBarriers::kPReady, kConsumers);
       stamp(args, wg, it, event_trace::kDsPReady);
