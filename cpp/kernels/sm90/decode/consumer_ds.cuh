@@ -341,16 +341,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     stamp(args, wg, it, event_trace::kChunkStart);
     load_q_ds(args, plan, c.batch, head_k, m_block, ctid, c.batch - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
-    // Page i's V^T is written while page i - 1's softmax runs (vtnext), so the
-    // top of page i leaves shared memory to its S head and page i - 1's P V.
-    auto transpose_page = [&](int i, int page) {
-      transpose_v<Tr>(plan.k[i % Tr::kNumStages], plan.vt[i & 1], plan.zeros, load_page_lane().transpose,
-                      c.end_token - page * kBlockN);
-    };
-    if (c.first_page() < c.end_page()) {
-      issue_s_head(it);
-      transpose_page(it, c.first_page());
-    }
+    if (c.first_page() < c.end_page()) issue_s_head(it);
 
     OnlineSoftmaxState softmax;
     softmax.reset();
@@ -369,6 +360,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       const uint32_t slot = smem_addr(plan.k[stage]);
       const PageLane pl = load_page_lane();
       const uint32_t my_scales = ds_scale_addr(slot, pl.tok_first);
+      // The transpose while this page's S head (RoPE, group 0) and the last
+      // page's P V are in flight.
+      transpose_v<Tr>(plan.k[stage], plan.vt[it & 1], plan.zeros, pl.transpose, valid);
+      stamp(args, wg, it, event_trace::kDsTransposed);
       // All retired here: a wait_group 1 over batches carried around the page
       // loop makes ptxas serialize every WGMMA (C7514).
       warpgroup_wait<0>();
@@ -494,10 +489,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
         static_assert(kNPerWG / 16 == 2, "one stmatrix.x4 a group");
         store_p_e4m3(smem_addr(plan.p[g]) + pl.p_store, sc, [&](int v) { return ksc[token_of(v)][g]; });
-      }
-      if (page + 1 < page_end) {
-        transpose_page(it + 1, page + 1);
-        stamp(args, wg, it + 1, event_trace::kDsTransposed);
       }
       // Rescale O (no WGMMA reads it now: the last P V retired before this
       // page's S did) by the row-max factor and, per group, N_g old / new;
