@@ -13,7 +13,9 @@
 # scripts/gpu_test_share.py, 15 on an H200, 8 on an H100); TEST_TIMEOUT / RACECHECK_TIMEOUT (seconds for one build's
 # GPU tests / one format's run of a sanitizer, default 240 / 150); SANITIZE_TOOLS (the compute-sanitizer tools run per
 # format when SKIP_RACECHECK is not 1, default "racecheck", e.g. "racecheck synccheck"); SANITIZE_RETRIES (reruns of a
-# sanitizer run that segfaulted, rc 139: default 2);
+# sanitizer run that segfaulted, rc 139: default 2); CHECK_GAIN (e.g. 0.995: the candidates' tests and sanitizers
+# run after all the benches, and only for a build whose loop figure, the mean of its runs, is below CHECK_GAIN times
+# the baseline's at every shape and format both benched, so that one call benches A-B-A and checks only a gain);
 # BASELINE_FORMATS (formats benched for the baseline, default FORMATS); TEST_FORMATS (formats whose GPU tests run,
 # default FORMATS); TEST_ARGS (more pytest arguments, e.g. "-m few_rows" for the few-rows kernels' cases; split on
 # spaces, so no argument may contain one: "-m 'not few_rows'" does not work); TEST_MEM_TOTAL (the share of the card's
@@ -77,33 +79,70 @@ sanitize() {
   done
 }
 
+# Puts build $1's module (and its own Python package, if its carry has one) into the checkout; prints " (its own
+# Python package)" for such a build.
+install_build() {
+  local so=(.carry_"$1"/jax_flash_mla/_jax_flash_mla*.so)
+  rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla
+  if [[ -d .carry_$1/package/jax_flash_mla ]]; then
+    cp -r .carry_"$1"/package/jax_flash_mla/. jax_flash_mla/
+    echo -n " (its own Python package)"
+  fi
+  cp "${so[@]}" jax_flash_mla/
+}
+
+# The installed build's GPU tests and sanitizers (unless skipped), tagged $1: prints the summary's fragment.
+checks() {
+  local tag=$1 sanitize_bg="" k
+  if [[ $beside == 1 ]]; then
+    # The build's package as it is now, apart from the checkout the tests use; tests/gpu_sanitize.py imports the
+    # package beside its own folder.
+    rm -rf "$logs/sanitize_$tag" && mkdir -p "$logs/sanitize_$tag" && cp -r jax_flash_mla tests "$logs/sanitize_$tag/"
+    sanitize "$tag" "$logs/sanitize_$tag/tests/gpu_sanitize.py" > "$logs/sanitize_$tag.txt" &
+    sanitize_bg=$!
+  fi
+  if [[ ${SKIP_TESTS:-0} != 1 ]]; then
+    k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
+    read -r -a test_args <<< "${TEST_ARGS:-}"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction JAX_FLASH_MLA_REQUIRE_GPU=1 \
+      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q --durations=8 tests/test_decode_gpu.py -k "$k" \
+      "${test_args[@]}" > "$logs/pytest_$tag.log" 2>&1
+    echo -n " tests rc=$? ($(tail -1 "$logs/pytest_$tag.log" | tr -d '=' | xargs));"
+    grep -m3 -E "^[0-9.]+s (call|setup)" "$logs/pytest_$tag.log" | sed "s/^/  $tag slowest test: /" >&2
+  fi
+  if [[ -n $sanitize_bg ]]; then
+    wait "$sanitize_bg"
+    cat "$logs/sanitize_$tag.txt"
+    rm -rf "$logs/sanitize_$tag"
+  elif [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
+    sanitize "$tag" tests/gpu_sanitize.py
+  fi
+}
+
+gain=${CHECK_GAIN:-}
+[[ ${SKIP_BENCH:-0} == 1 ]] && gain=""
+declare -a gated=()
 for i in "${!builds[@]}"; do
   name=${builds[$i]}
   # A repeated name is benched only: its checks ran at its first place (or it is the baseline).
   tag=$name
-  checks=$((i > 0))
+  check=$((i > 0))
   if [[ " ${builds[*]:0:i} " == *" $name "* ]]; then
     tag=$name.$i
-    checks=0
+    check=0
   fi
   so=(.carry_"$name"/jax_flash_mla/_jax_flash_mla*.so)
   if [[ ! -f ${so[0]} ]]; then
     summary+=("$name: no module in .carry_$name")
     continue
   fi
-  rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla
-  package=""
-  if [[ -d .carry_$name/package/jax_flash_mla ]]; then
-    cp -r .carry_"$name"/package/jax_flash_mla/. jax_flash_mla/
-    package=" (its own Python package)"
-  fi
-  cp "${so[@]}" jax_flash_mla/
+  package=$(install_build "$name")
   echo "==== $tag: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)$package"
   line="$tag:"
   # Smoke run first (tests/gpu_sanitize.py's small cases, every format in one process): a build that hangs or is
   # wrong there skips its tests, racecheck and bench, which would each wait for their whole timeout (session 14
   # lost a 600 s call to a hanging build).
-  if ((checks)) && [[ ${SKIP_SMOKE:-0} != 1 ]]; then
+  if ((check)) && [[ ${SKIP_SMOKE:-0} != 1 ]]; then
     SANITIZE_FORMATS=$(echo "$formats" | tr ' ' ',') timeout "${SMOKE_TIMEOUT:-60}" "$PY" tests/gpu_sanitize.py \
       > "$logs/smoke_$tag.log" 2>&1
     rc=$?
@@ -116,29 +155,10 @@ for i in "${!builds[@]}"; do
     fi
     line+=" smoke ok;"
   fi
-  sanitize_bg=""
-  if ((checks)) && [[ $beside == 1 ]]; then
-    # The build's package as it is now, apart from the checkout the tests use; tests/gpu_sanitize.py imports the
-    # package beside its own folder.
-    rm -rf "$logs/sanitize_$tag" && mkdir -p "$logs/sanitize_$tag" && cp -r jax_flash_mla tests "$logs/sanitize_$tag/"
-    sanitize "$tag" "$logs/sanitize_$tag/tests/gpu_sanitize.py" > "$logs/sanitize_$tag.txt" &
-    sanitize_bg=$!
-  fi
-  if ((checks)) && [[ ${SKIP_TESTS:-0} != 1 ]]; then
-    k=$(echo "${TEST_FORMATS:-$formats}" | sed 's/ / or /g')
-    read -r -a test_args <<< "${TEST_ARGS:-}"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction JAX_FLASH_MLA_REQUIRE_GPU=1 \
-      timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -n "$workers" -q --durations=8 tests/test_decode_gpu.py -k "$k" \
-      "${test_args[@]}" > "$logs/pytest_$tag.log" 2>&1
-    line+=" tests rc=$? ($(tail -1 "$logs/pytest_$tag.log" | tr -d '=' | xargs));"
-    grep -m3 -E "^[0-9.]+s (call|setup)" "$logs/pytest_$tag.log" | sed "s/^/  $tag slowest test: /"
-  fi
-  if [[ -n $sanitize_bg ]]; then
-    wait "$sanitize_bg"
-    line+=$(cat "$logs/sanitize_$tag.txt")
-    rm -rf "$logs/sanitize_$tag"
-  elif ((checks)) && [[ ${SKIP_RACECHECK:-0} != 1 ]]; then
-    line+=$(sanitize "$tag" tests/gpu_sanitize.py)
+  if ((check)) && [[ -n $gain ]]; then
+    gated+=("$name")
+  elif ((check)); then
+    line+=$(checks "$tag")
   fi
   if [[ ${SKIP_BENCH:-0} == 1 ]]; then
     summary+=("$line")
@@ -158,6 +178,27 @@ for i in "${!builds[@]}"; do
   awk -v n="$tag" '$1 == "shape" { span = ($7 == "span") ? 7 : 0; next }
     /^(M1|C1|C2|VL) / { printf "  %-8s %-3s %-15s %9s us  span %s\n", n, $1, $2, $4, (span ? $span : "-") }' \
     "$logs/bench_$tag.log" | tee -a "$logs/table.txt"
+done
+
+# CHECK_GAIN: the checks, after every bench, of the builds whose loop figure (mean over their runs) is below
+# CHECK_GAIN times the baseline's at every shape and format both benched.
+for name in "${gated[@]}"; do
+  ratios=$(awk -v base="${builds[0]}" -v cand="$name" '
+    { b = $1; sub(/\.[0-9]+$/, "", b); key = $2 " " $3 }
+    b == base { bs[key] += $4; bn[key]++ }
+    b == cand { cs[key] += $4; cn[key]++ }
+    END { for (k in cs) if (k in bs) printf "%s %.4f\n", k, (cs[k] / cn[k]) / (bs[k] / bn[k]) }' \
+    "$logs/table.txt" 2> /dev/null | sort)
+  worst=$(awk 'BEGIN { w = 99 } NR == 1 || $3 > w { w = $3 } END { print w }' <<< "$ratios")
+  line="$name (loop / baseline's: $(awk '{ printf "%s%s %s %s", sep, $1, $2, $3; sep = ", " }' <<< "$ratios")):"
+  if [[ -n $ratios ]] && awk -v w="$worst" -v g="$gain" 'BEGIN { exit !(w < g) }'; then
+    install_build "$name" > /dev/null
+    echo "==== $name: checks (every loop ratio below $gain)"
+    line+=$(checks "$name")
+  else
+    line+=" no checks (a loop ratio not below $gain)"
+  fi
+  summary+=("$line")
 done
 
 rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla

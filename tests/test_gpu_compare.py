@@ -1,7 +1,9 @@
 """scripts/gpu_compare.sh without a GPU: a copy of the script runs in a scratch tree with two fake builds, a stub
 nvidia-smi and a stub Python that records what it is asked to run. Checks the steps each build gets (the first build
 is the baseline, only benched), that SKIP_BENCH=1 leaves every bench out, and that the table shows a span only where
-the bench printed that column (with --trace; without it the same place holds TFLOPS)."""
+the bench printed that column (with --trace; without it the same place holds TFLOPS), and that CHECK_GAIN checks only
+a build whose loop figure beats the baseline's. The stub bench reports the installed module's contents as the loop
+figure (500.0 for an empty one), so each fake build times as its test says."""
 
 import os
 import pathlib
@@ -19,10 +21,11 @@ echo "$*" >> "$CALLS"
 case "$*" in
   *gpu_test_share*) echo "2 0.4" ;;
   *jax_flash_mla.bench*)
+    us=$(cat jax_flash_mla/_jax_flash_mla.so); us=${us:-500.0}
     if [[ "$*" == *--trace* ]]; then
-      printf 'shape format path us min max span TFLOPS\nC1 bf16 kernel 500.0 490.0 510.0 450.5 99\n'
+      printf 'shape format path us min max span TFLOPS\nC1 bf16 kernel %s 490.0 510.0 450.5 99\n' "$us"
     else
-      printf 'shape format path us min max TFLOPS GB/s\nC1 bf16 kernel 500.0 490.0 510.0 99 2000\n'
+      printf 'shape format path us min max TFLOPS GB/s\nC1 bf16 kernel %s 490.0 510.0 99 2000\n' "$us"
     fi ;;
   *pytest*) echo "3 passed in 1.00s" ;;
 esac
@@ -35,9 +38,10 @@ def tree(tmp_path):
     (root / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "scripts" / "gpu_compare.sh")
     (root / "jax_flash_mla").mkdir()
-    for name in ("base", "cand"):
+    for name in ("base", "cand", "fast", "slow"):
         (root / f".carry_{name}" / "jax_flash_mla").mkdir(parents=True)
-        (root / f".carry_{name}" / "jax_flash_mla" / "_jax_flash_mla.so").write_bytes(b"")
+        loop_us = {"fast": b"490.0", "slow": b"510.0"}.get(name, b"")
+        (root / f".carry_{name}" / "jax_flash_mla" / "_jax_flash_mla.so").write_bytes(loop_us)
     stubs = tmp_path / "bin"
     stubs.mkdir()
     (stubs / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'Stub GPU, 0, 1 MiB'\n")
@@ -51,7 +55,8 @@ def run(tree, **env):
     root, stubs, calls, logs = tree
     full_env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", PYTHON=str(stubs / "python"),
                     CALLS=str(calls), COMPARE_LOGS=str(logs), BUILDS="base cand", FORMATS="bf16",
-                    SKIP_RACECHECK="1", SHAPES="C1", **env)
+                    SKIP_RACECHECK="1", SHAPES="C1")
+    full_env.update(env)
     full_env.pop("OUT", None)
     out = subprocess.run(["bash", str(root / "scripts" / "gpu_compare.sh")], env=full_env, capture_output=True,
                          text=True, timeout=60, check=True).stdout
@@ -83,3 +88,26 @@ def test_table_shows_a_span_only_from_the_span_column(tree, bench_args, span):
     out, _ = run(tree, BENCH_ARGS=bench_args)
     rows = [line.split() for line in out.splitlines() if line.startswith("  base ")]
     assert rows and all(row[1:4] == ["C1", "bf16", "500.0"] and row[-2:] == ["span", span] for row in rows)
+
+
+def test_check_gain_checks_only_a_faster_build_after_every_bench(tree):
+    out, ran = run(tree, BUILDS="base fast slow base", CHECK_GAIN="0.995")
+    assert summary(out)[:6] == [
+        "base: bench rc=0",
+        "fast: smoke ok; bench rc=0",
+        "slow: smoke ok; bench rc=0",
+        "base.3: bench rc=0",
+        "fast (loop / baseline's: C1 bf16 0.9800): tests rc=0 (3 passed in 1.00s);",
+        "slow (loop / baseline's: C1 bf16 1.0200): no checks (a loop ratio not below 0.995)",
+    ]
+    steps = [("bench" if "jax_flash_mla.bench" in c else "tests") for c in ran
+             if "jax_flash_mla.bench" in c or "-m pytest" in c]
+    assert steps == ["bench"] * 4 + ["tests"]
+
+
+def test_check_gain_compares_with_the_mean_of_the_baselines_runs(tree):
+    root = tree[0]
+    (root / ".carry_fast" / "jax_flash_mla" / "_jax_flash_mla.so").write_bytes(b"498.0")
+    out, ran = run(tree, BUILDS="base fast", CHECK_GAIN="0.995")
+    assert summary(out)[2] == "fast (loop / baseline's: C1 bf16 0.9960): no checks (a loop ratio not below 0.995)"
+    assert not any("-m pytest" in c for c in ran)
