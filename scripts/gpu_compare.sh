@@ -80,9 +80,10 @@ sanitize() {
 }
 
 # Puts build $1's module (and its own Python package, if its carry has one) into the checkout; prints " (its own
-# Python package)" for such a build.
+# Python package)" for such a build. Fails, leaving the checkout as it is, when the carry has no module.
 install_build() {
   local so=(.carry_"$1"/jax_flash_mla/_jax_flash_mla*.so)
+  [[ -f ${so[0]} ]] || return 1
   rm -rf jax_flash_mla && cp -r "$pristine" jax_flash_mla
   if [[ -d .carry_$1/package/jax_flash_mla ]]; then
     cp -r .carry_"$1"/package/jax_flash_mla/. jax_flash_mla/
@@ -131,12 +132,10 @@ for i in "${!builds[@]}"; do
     tag=$name.$i
     check=0
   fi
-  so=(.carry_"$name"/jax_flash_mla/_jax_flash_mla*.so)
-  if [[ ! -f ${so[0]} ]]; then
+  if ! package=$(install_build "$name"); then
     summary+=("$name: no module in .carry_$name")
     continue
   fi
-  package=$(install_build "$name")
   echo "==== $tag: $(head -1 .carry_"$name"/BUILD_INFO.txt 2> /dev/null)$package"
   line="$tag:"
   # Smoke run first (tests/gpu_sanitize.py's small cases, every format in one process): a build that hangs or is
