@@ -253,6 +253,13 @@ struct SplitKvMlaKernel {
   // q_rows_per_head_k are zero-filled (their results are never stored).
   __device__ static void load_q(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
                                 int ctid) {
+    copy_q_async(p, plan, batch, head_k, m_block, ctid);
+    finish_q_copy(plan);
+  }
+  // load_q's two halves: this thread's cp.async pieces of the tile; the
+  // wait for them, then both WGs meet.
+  __device__ static void copy_q_async(const DecodeParams& p, Plan& plan, int batch, int head_k, int m_block,
+                                      int ctid) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
@@ -272,6 +279,8 @@ struct SplitKvMlaKernel {
                    "l"(src), "r"(valid ? 16 : 0)
                    : "memory");
     }
+  }
+  __device__ static void finish_q_copy(Plan& plan) {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     fence_proxy_async_smem();  // Q is read by WGMMA (async proxy)
     named_barrier_sync(NamedBarriers::kQReady, kConsumers);
@@ -279,10 +288,12 @@ struct SplitKvMlaKernel {
 
   // The chunk's Q tile in shared memory for the consumers: from the
   // producer's TMA (load_q_tma) when kQByTmaCapable and args.q_by_tma, else
-  // copied by them (load_q). After the wait both WGs meet, as after load_q:
-  // the last chunk's epilogue has read the row sums that this one writes.
+  // copied by them (load_q; or only its wait when the copy went out at the last
+  // chunk's end, `copy_in_flight`: copy_next_q). After the wait both WGs meet,
+  // as after load_q: the last chunk's epilogue has read the row sums that this
+  // one writes.
   __device__ static void acquire_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
-                                   int ctid, int chunk) {
+                                   int ctid, int chunk, bool copy_in_flight = false) {
     if constexpr (kQByTmaCapable) {
       if (args.q_by_tma) {
         mbarrier_wait(&plan.q_full, chunk & 1);
@@ -290,7 +301,24 @@ struct SplitKvMlaKernel {
         return;
       }
     }
-    load_q(args.params, plan, batch, head_k, m_block, ctid);
+    if (!copy_in_flight) copy_q_async(args.params, plan, batch, head_k, m_block, ctid);
+    finish_q_copy(plan);
+  }
+  // The next chunk's Q copy, issued at this chunk's end by the formats whose
+  // consumers copy Q themselves (bf16): once this WG's WGMMAs retired, every
+  // S of the chunk in both WGs has (each WG's last S retires before a ready
+  // barrier the other passes before its own end), so this thread's share goes
+  // out and lands under the epilogue's writes, as FlashMLA issues its next Q
+  // before it stores O (experiment qearly2, session 45: C2 ~0.3 % less time
+  // per call against FlashMLA's, H100). Returns whether it did (not after the
+  // partition's last chunk). Formats with a Q TMA path keep their load, whose
+  // rare fallback (load_q) is then unchanged.
+  __device__ static bool copy_next_q(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int b, int head_k,
+                                     int m_block, int ctid) {
+    if constexpr (kQByTmaCapable) return false;
+    if (b >= meta.end_batch) return false;
+    copy_q_async(args.params, plan, b + 1, head_k, m_block, ctid);
+    return true;
   }
   // After the chunk's last WGMMA: this warp no longer reads what the next
   // chunk's Q TMA overwrites (Q; fp8_ds_mla: the V^T and P tiles).
