@@ -289,21 +289,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     return pair;
   };
   bool q_in_flight = false;  // this chunk's Q copy went out at the last chunk's end (copy_next_q)
-  // Experiment qearly3: the next chunk's Q copy goes out in the chunk's last pair, right after the last ready
-  // barrier, by when every S of the chunk in both WGs has retired, with that pair's last P V in flight.
-  bool next_q_sent = false;
-  auto send_next_q = [&](bool last_pair, int b) __attribute__((always_inline)) {
-    if constexpr (!kQByTmaCapable) {
-      if (last_pair) next_q_sent = copy_next_q(args, plan, meta, b, head_k, m_block, ctid);
-    }
-  };
   // A plain loop rather than for_each_chunk: a lambda this large is not
   // inlined, and O would then live in local memory.
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
     acquire_q(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch, q_in_flight);
-    next_q_sent = false;
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
@@ -382,7 +373,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           adopt_max(softmax, plan.ref_max[1], factor);
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
-          send_next_q(!has_next, b);
           if (kEarlyS && has_next) {
             issue_s(ib + 1, false);
           } else {
@@ -391,7 +381,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
           }
         } else {
-          send_next_q(!has_next, b);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           stamp(args, 0, ia, event_trace::kPairPvRetired);
@@ -481,7 +470,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           if (has_b) named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 1, ia, event_trace::kPairBReady);
         }
-        send_next_q(!has_next, b);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         stamp(args, 1, ia, event_trace::kPairPvRetired);
@@ -509,7 +497,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release_q(args, plan, lane);
-    q_in_flight = next_q_sent || copy_next_q(args, plan, meta, b, head_k, m_block, ctid);
+    q_in_flight = copy_next_q(args, plan, meta, b, head_k, m_block, ctid);
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
