@@ -288,12 +288,12 @@ struct SplitKvMlaKernel {
 
   // The chunk's Q tile in shared memory for the consumers: from the
   // producer's TMA (load_q_tma) when kQByTmaCapable and args.q_by_tma, else
-  // copied by them (load_q; or only its wait when the copy went out at the last
-  // chunk's end, `copy_in_flight`: copy_next_q). After the wait both WGs meet,
-  // as after load_q: the last chunk's epilogue has read the row sums that this
-  // one writes.
+  // copied by them (copy_q_async here, or only its wait when the copy went out
+  // at the last chunk's end, `copy_in_flight`: copy_next_q). After the wait
+  // both WGs meet, as after load_q: the last chunk's epilogue has read the row
+  // sums that this one writes.
   __device__ static void acquire_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
-                                   int ctid, int chunk, bool copy_in_flight = false) {
+                                   int ctid, int chunk, bool copy_in_flight) {
     if constexpr (kQByTmaCapable) {
       if (args.q_by_tma) {
         mbarrier_wait(&plan.q_full, chunk & 1);
