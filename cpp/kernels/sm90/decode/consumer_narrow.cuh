@@ -422,7 +422,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
   named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
 
   float inv[4], lse[4], a_own[4], a_other[4];
-  const bool direct = c.partial_idx < 0;
+  const int split_begin = p.num_splits[c.batch];
+  const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
   CUTE_UNROLL
   for (int k4 = 0; k4 < 4; ++k4) {
     const int col = col_of(k4);
@@ -442,7 +443,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue_narrow(const Decode
     inv[k4] = l > 0.f ? out_scale / l : 0.f;
     lse[k4] = l > 0.f ? m * logit_scale + logf(l) : (direct ? INFINITY : -INFINITY);
   }
-  const int64_t accum_row0 = (int64_t(c.partial_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
+  const int64_t accum_row0 =
+      (int64_t(split_begin + c.split_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
   CUTE_UNROLL
   for (int k4 = 0; k4 < 4; ++k4) {
     const int r = col_of(k4);

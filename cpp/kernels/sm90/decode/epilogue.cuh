@@ -19,7 +19,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::share_row_sums(Plan& plan, c
 }
 
 // After share_row_sums. A chunk that is its sequence's only split writes out (bf16) and lse
-// directly; otherwise o_accum / lse_accum at c.partial_idx.
+// directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
 // `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
 // multiplies the output, in partials alike.
 template <config::KvFormat kFormat, bool kNarrow>
@@ -31,8 +31,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
                                                             float out_scale) {
   using namespace cute;
   const int lane = tid % 32;
-  const bool direct = c.partial_idx < 0;
-  const int64_t accum_row0 = (int64_t(c.partial_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
+  const int split_begin = p.num_splits[c.batch];
+  const bool direct = p.num_splits[c.batch + 1] - split_begin == 1;
+  const int64_t accum_row0 =
+      (int64_t(split_begin + c.split_idx) * p.num_heads_k + head_k) * p.q_rows_per_head_k;
 
   float inv[2], lse[2];
   bool valid[2], seen[2];

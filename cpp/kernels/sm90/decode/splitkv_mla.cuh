@@ -100,13 +100,7 @@ struct Chunk {
   int seqlen;       // cache_seqlens[batch]
   int begin_token;  // multiple of the page size, at most end_token rounded up to one
   int end_token;    // exclusive
-  // Where the epilogue writes: -1 when the chunk is its sequence's only split
-  // (out and lse directly), else num_splits[batch] + the split's index (the
-  // row block of o_accum / lse_accum). Read here, at the chunk's start: a
-  // global load at its end waits behind the next chunk's page and Q loads
-  // already in flight on this SM (several µs at C1, where every CTA ends a
-  // chunk at once).
-  int partial_idx;
+  int split_idx;    // index among the sequence's splits
 
   // Pages the chunk touches: [first_page, end_page), never past its last one.
   __device__ __forceinline__ int first_page() const { return begin_token / config::kPageSize; }
@@ -130,10 +124,8 @@ __device__ __forceinline__ Chunk make_chunk(const DecodeParams& p, const SchedMe
   Chunk c;
   c.batch = b;
   c.seqlen = min(max(p.cache_seqlens[b], 0), capacity);
-  const int split_idx = b == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
-  const int split_begin = p.num_splits[b], splits = p.num_splits[b + 1] - split_begin;
-  const bool last_split = split_idx == splits - 1;
-  c.partial_idx = splits == 1 ? -1 : split_begin + split_idx;
+  c.split_idx = b == meta.begin_batch ? __ldg(&p.sched_meta[blockIdx.x].begin_split_idx) : 0;
+  const bool last_split = c.split_idx == p.num_splits[b + 1] - p.num_splits[b] - 1;
   c.end_token = b == meta.end_batch && !last_split ? min(meta.end_token, c.seqlen) : c.seqlen;
   c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_page() * config::kPageSize);
   return c;
