@@ -85,24 +85,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     __syncwarp();
     mbarrier_arrive_if(&plan.k_empty[stage_of(i)][part], lane == 0);
   };
-  // Page B' (ring position i + 2, page B's slot) from this WG's thread 0,
-  // the part `wg` that this WG released last (kConsumerRefillsB): once the
-  // part's other releases are in, its TMA goes out as the producer's would.
-  // `block` is B''s block id, loaded at the pair's top.
-  // The WG's first warp waits and issues, its lane 0 alone (predicated, not
-  // branched: load_kv_page_part_if).
-  const bool first_warp = __shfl_sync(0xffffffffu, tid / 32, 0) == 0;
-  auto refill_b = [&](int i, int block) {
-    if constexpr (kConsumerRefillsB) {
-      if (first_warp) {
-        mbarrier_wait(&plan.k_empty[stage_of(i)][wg], phase_of(i));
-        stamp(args, 2, i + 2, wg == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-        load_kv_page_part_if<Tr>(lane == 0, &args.k_map, &args.slab_map,
-                                 &plan.k_full[stage_of(i)][wg * Tr::kPiecesPerPart], plan.k[stage_of(i)], head_k,
-                                 __shfl_sync(0xffffffffu, block, 0), wg);
-      }
-    }
-  };
   // B operand of O_w += P V: this WG's 256 channels of V, from the K slot
   // (bf16, MN-major) or from the page's V^T buffer (e4m3, K-major).
   auto v_operand = [&](int i, int page_role) {
@@ -330,11 +312,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
 
     // With early S, the first pair's S are issued here.
     const int page_begin = c.first_page(), page_end = c.end_page();
-    const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
-    // B''s block id for refill_b, loaded a pair ahead of its use.
-    auto next_b_block = [&](int page, bool next_has_b) {
-      return kConsumerRefillsB && tid == 0 && next_has_b ? table[page + 3] : 0;
-    };
     if (page_begin < page_end) {
       if (wg == 0 && kEarlyS) issue_s(it, false);
       if (wg == 1 && kEarlyS && page_begin + 1 < page_end) issue_s(it + 1, Tr::kBRightFirst);
@@ -346,7 +323,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     if (wg == 0) {
       for (int page = page_begin; page < page_end; page += 2) {
         const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
-        const int block_b2 = next_b_block(page, next_has_b);
         float factor[2];
         stamp(args, 0, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG0: page A
@@ -403,7 +379,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);  // P_B V_B,L retired
-            if (next_has_b) refill_b(ib, block_b2);
           }
         } else {
           warpgroup_wait<0>();
@@ -416,7 +391,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     } else {
       for (int page = page_begin; page < page_end; page += 2) {
         const auto [has_b, has_next, next_has_b, ia, ib] = take_pair(page, page_end);
-        const int block_b2 = next_b_block(page, next_has_b);
         float factor[2];
         stamp(args, 1, ia, event_trace::kPairTop);
         // ---------------------------------------------------- WG1: page B
@@ -513,7 +487,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             if constexpr (!Tr::kVNeedsTranspose) release(ib);
-            if (next_has_b) refill_b(ib, block_b2);
           }
         }
         stamp(args, 1, ia, event_trace::kPairEnd);

@@ -86,46 +86,6 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const 
   }
 }
 
-// load_kv_page_part from a warp that runs it whole, issued where `issue` holds
-// (one lane): each piece's expect_tx and copies are predicated instructions of
-// one asm block, so the warp takes no branch around them. A consumer
-// warpgroup refilling a part itself (Traits::kConsumerRefillsB) must not
-// branch per lane there: ptxas then builds its WGMMA descriptors in vector
-// registers (bf16: R2UR 15 -> 240, experiment cref, session 46). The
-// operands must be warp-uniform.
-template <class Traits>
-__device__ __forceinline__ void load_kv_page_part_if(bool issue, const CUtensorMap* map, const CUtensorMap* slab_map,
-                                                     uint64_t* part_full, typename Traits::Element* slot, int head_k,
-                                                     int block, int part) {
-  constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
-  constexpr int kSlabBytes = kSlabElems * int(sizeof(typename Traits::Element));
-  constexpr int kRope = decode_cfg::kSlabs - 1;
-#pragma unroll
-  for (int piece = 0; piece < Traits::kPiecesPerPart; ++piece) {
-    const int first = part * decode_cfg::kLeftSlabs + piece * Traits::kSlabsPerBox;
-    const bool rope = part == 1 && piece == 0;
-    const uint32_t bar = smem_addr(&part_full[piece]);
-    const uint32_t bytes = uint32_t((Traits::kSlabsPerBox + (rope ? 1 : 0)) * kSlabBytes);
-    asm volatile(
-        "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.b32 p, %0, 0;\n"
-        " @p mbarrier.arrive.expect_tx.shared::cta.b64 st, [%1], %2;\n"
-        " @p cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%3], [%4, {%5, %5, %6, %7, %8}], [%1];\n}\n" ::"r"(uint32_t(issue)),
-        "r"(bar), "r"(bytes), "r"(smem_addr(slot + first * kSlabElems)), "l"(reinterpret_cast<uint64_t>(slab_map)),
-        "r"(0), "r"(first), "r"(head_k), "r"(block)
-        : "memory");
-    if (rope) {
-      asm volatile(
-          "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n"
-          " @p cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-          " [%1], [%2, {%3, %4, %5, %6}], [%7];\n}\n" ::"r"(uint32_t(issue)),
-          "r"(smem_addr(slot + kRope * kSlabElems)), "l"(reinterpret_cast<uint64_t>(map)),
-          "r"(kRope * Traits::kTmaBoxElems), "r"(head_k), "r"(0), "r"(block), "r"(bar)
-          : "memory");
-    }
-  }
-}
-
 // fp8_ds_mla (Traits<kFp8DsMla> has the slot plan): the four 128-byte NoPE
 // slabs as one box of `slab_map`, the RoPE slab through the cache map, the
 // scales through the scale map.

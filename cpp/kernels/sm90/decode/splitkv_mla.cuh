@@ -150,13 +150,6 @@ struct SplitKvMlaKernel {
   // (fp8_ds_mla: q before its quantization) from the producer's TMA (the
   // few-rows kernel reads 16 rows: its own load).
   static constexpr bool kQByTmaCapable = !kNarrow && Traits<kFormat>::kQByTma;
-  // The 64-row page-pair consumer refills page B' itself (Traits::kConsumerRefillsB).
-  static constexpr bool kConsumerRefillsB = !kNarrow && Traits<kFormat>::kConsumerRefillsB;
-  // Whether the consumers refill the page at `offset` pages into its chunk:
-  // a page B (odd offset) whose slot held the chunk's previous page B.
-  __host__ __device__ static constexpr bool consumer_refilled(int offset) {
-    return kConsumerRefillsB && (offset & 1) && offset >= 3;
-  }
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -212,7 +205,6 @@ struct SplitKvMlaKernel {
           stamp(args, 2, it, event_trace::kLeftIssued);
           load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
-          if (consumer_refilled(page - c.first_page())) continue;
           // Left part first: the consumers release it first and S starts on it;
           // with kBRightFirst the right part first for a pair's page B.
           const bool page_b = Tr::kBRightFirst && ((page - c.first_page()) & 1);

@@ -172,13 +172,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  // Page B' (the next pair's B, two ring positions on, in page B's slot)
-  // is refilled by the consumers, each WG's thread 0 issuing the part its WG
-  // was the last to release, as FlashMLA's consumers issue their refills:
-  // page B's last release is on the pair's loop at C1, and the producer's
-  // hop (its k_empty wait, then the issue) took ~100 ns there. The producer
-  // keeps every other page, and B' at chunk ends.
-  static constexpr bool kConsumerRefillsB = true;
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -280,7 +273,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
-  static constexpr bool kConsumerRefillsB = false;  // with three stages B' has a pair of lead
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
@@ -363,7 +355,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
-  static constexpr bool kConsumerRefillsB = false;  // the producer loads every page (consumer_ds.cuh)
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
