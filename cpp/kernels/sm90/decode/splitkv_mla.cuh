@@ -311,8 +311,8 @@ struct SplitKvMlaKernel {
   // out and lands under the epilogue's writes, as FlashMLA issues its next Q
   // before it stores O (experiment qearly2, session 45: C2 ~0.3 % less time
   // per call against FlashMLA's, H100). Returns whether it did (not after the
-  // partition's last chunk). Formats with a Q TMA path keep their load, whose
-  // rare fallback (load_q) is then unchanged.
+  // partition's last chunk). Formats with a Q TMA path keep their load, and
+  // their rare fallback copies at the chunk's start (acquire_q), as before.
   __device__ static bool copy_next_q(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int b, int head_k,
                                      int m_block, int ctid) {
     if constexpr (kQByTmaCapable) return false;
