@@ -220,11 +220,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // the page's owner zeroes their V rows (all 512 channels) after its S
   // retired, before the ready barrier that lets the other WG read them.
   // (fp8_per_tensor zeroes them in the V^T transpose instead.)
-  // Returns whether it zeroed any (the same answer in every thread of the WG).
   auto zero_stale_v = [&](int i, int page, const Chunk& c) {
     if constexpr (!Tr::kVNeedsTranspose) {
       const int first = c.end_token - page * kBlockN;
-      if (first >= kBlockN) return false;
+      if (first >= kBlockN) return;
       Tensor sK = as_position_independent_swizzle_tensor(
           make_tensor(make_smem_ptr(plan.k[stage_of(i)]), typename Tr::SmemLayoutK{}));
       constexpr int kPiecesPerRow = decode_cfg::kHeadDimV / 8;  // 16-byte pieces
@@ -232,9 +231,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         const int t = first + j / kPiecesPerRow;
         *reinterpret_cast<uint4*>(raw_pointer_cast(&sK(t, (j % kPiecesPerRow) * 8))) = make_uint4(0, 0, 0, 0);
       }
-      return true;
     }
-    return false;
   };
   // Publishing this WG's page of the pair (page_role 0: A at kPageAReady by
   // WG0, 1: B at kPageBReady by WG1): stage_p zeroes its stale V rows and
@@ -243,38 +240,17 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // earlier). publish_page then rescales O by `factor` and queues the WG's
   // own P V.
   auto stage_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
-    const bool zeroed = zero_stale_v(i, page, c);
+    zero_stale_v(i, page, c);
     store_p(tP, i, page_role);
     stamp(args, wg, i, event_trace::kPairStored);
     fence_proxy_async_smem();
-    return zeroed;
-  };
-  // kReadyByMbarrier: the publishing WG's warps arrive on page_ready[page_role] and go on; the other WG waits
-  // there (ready_phase counts its waits). The WG's own WGMMAs read its zeroed V rows only after its 128 threads
-  // met. Otherwise both WGs pass the ready barrier, which also orders each WG's own writes (P, zeroed V rows)
-  // before its WGMMAs read them.
-  uint32_t ready_phase[2] = {0u, 0u};
-  auto hand_over = [&](int page_role, bool zeroed) {
-    if constexpr (Tr::kReadyByMbarrier) {
-      if (zeroed) named_barrier_sync(NamedBarriers(12 + wg), 128);
-      __syncwarp();
-      mbarrier_arrive_if(&plan.page_ready[page_role], lane == 0);
-    } else {
-      named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
-                                   kConsumers);
-    }
-  };
-  auto take_over = [&](int page_role) {
-    if constexpr (Tr::kReadyByMbarrier) {
-      mbarrier_wait(&plan.page_ready[page_role], ready_phase[page_role]);
-      ready_phase[page_role] ^= 1u;
-    } else {
-      named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
-                                   kConsumers);
-    }
   };
   auto publish_p = [&](const auto& tP, int i, int page, int page_role, const Chunk& c) {
-    hand_over(page_role, stage_p(tP, i, page, page_role, c));
+    stage_p(tP, i, page, page_role, c);
+    // Both WGs pass the ready barrier, so it also orders this WG's own
+    // writes (P, zeroed V rows) before its WGMMA reads them.
+    named_barrier_sync_unaligned(page_role == 0 ? NamedBarriers::kPageAReady : NamedBarriers::kPageBReady,
+                                 kConsumers);
   };
   auto accumulate_own_page = [&](const auto& tP, int i, int page_role, const float (&factor)[2], bool accumulate)
                                  __attribute__((always_inline)) {
@@ -385,7 +361,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             stamp(args, 0, ib, event_trace::kPairStored);
             fence_proxy_async_smem();
           }
-          take_over(1);
+          named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 0, ia, event_trace::kPairBReady);
           // WG0 never reads page B's right part (P_B has its own tile); all
           // arrivals for the slot's last page came before this barrier.
@@ -448,7 +424,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         } else {
           warpgroup_wait<0>();  // the last pair's P_B V_B,R
         }
-        take_over(0);
+        named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
         stamp(args, 1, ia, event_trace::kPairAReady);
         adopt_max(softmax, plan.ref_max[0], factor);
         rescale_o(factor);
@@ -457,7 +433,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           softmax.template update<Tr::kLazyRescaleLog2>(tSrSb, page_max, scale_log2, factor);
           publish_max(softmax, plan.ref_max[1]);
         };
-        bool zeroed_b = false;
         auto tPA = thr_pv.partition_fragment_A(p_tile(ia, 0));
         constexpr int kPvSteps = decltype(size<2>(tPA))::value;
         if (kPvSteps > 2 && has_b) {
@@ -478,7 +453,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_arrive();
           wgmma_k_steps<kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, accumulate, 0);
           softmax_b();
-          if constexpr (Tr::kPInRopeSlab) zeroed_b = stage_p(tSrSb, ib, page + 1, 1, c);
+          if constexpr (Tr::kPInRopeSlab) stage_p(tSrSb, ib, page + 1, 1, c);
           wgmma_k_steps<kPvSteps - kPvSteps / 2>(mma_pv, tPA, tVA, tOrO, true, kPvSteps / 2);
           warpgroup_commit_batch();
         } else {
@@ -492,7 +467,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // experiment pbearly, session 15.)
         static_assert(!Tr::kPInRopeSlab || kPvSteps > 2, "P_B is stored inside P_A V_A,R's split issue");
         if constexpr (Tr::kPInRopeSlab) {
-          if (has_b) hand_over(1, zeroed_b);
+          if (has_b) named_barrier_sync_unaligned(NamedBarriers::kPageBReady, kConsumers);
           stamp(args, 1, ia, event_trace::kPairBReady);
         }
         warpgroup_wait<0>();

@@ -445,11 +445,6 @@ struct SplitKvMlaKernel {
           }
         }
       }
-      if constexpr (!kNarrow && !Tr::kScaleGroups) {
-        if constexpr (Tr::kReadyByMbarrier) {
-          for (int role = 0; role < 2; ++role) mbarrier_init(&plan.page_ready[role], 4);
-        }
-      }
       if constexpr (kQByTmaCapable) {
         mbarrier_init(&plan.q_full, 1);
         mbarrier_init(&plan.q_empty, kConsumers / 32);  // every consumer warp's S read Q

@@ -172,9 +172,6 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  // Experiment arrmb: the page-ready hand-offs through mbarriers (page_ready): the publishing WG's warps arrive
-  // and go on, the other WG waits, as FlashMLA's named-barrier arrivals do, in a form racecheck may follow.
-  static constexpr bool kReadyByMbarrier = true;
   // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
   // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
   // the consumer's branch between the two loads cost the S descriptors the
@@ -207,8 +204,6 @@ struct Traits<config::KvFormat::kBf16> {
     // the part's consumer WG (4 warps) is done with it.
     alignas(8) uint64_t k_full[kNumStages][2 * kPiecesPerPart];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    // kReadyByMbarrier: page A published by WG0's 4 warps (0), page B by WG1's (1).
-    alignas(8) uint64_t page_ready[2];
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
@@ -278,7 +273,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   static constexpr int kNumPTiles = 2;
   static constexpr bool kPInRopeSlab = false;  // its P tiles are e4m3, the slot's RoPE slab is not free for them
   static constexpr bool kBRightFirst = false;  // three stages: page B' does not reuse page B's slot
-  static constexpr bool kReadyByMbarrier = false;
   // Each chunk's Q tile by the producer's TMA when the group's rows tile a
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
