@@ -3,10 +3,11 @@
 // kernel on whatever card the device tool lends. FlashMLA's sources are not part of this repository: build.sh
 // compiles this against a checkout of github.com/deepseek-ai/FlashMLA (no GPU needed) into
 // .carry_fmla/flashmla_anchor; carry that folder to the GPU machine and run
-//   .carry_fmla/flashmla_anchor [M1,C1,C2] [repeats]
+//   .carry_fmla/flashmla_anchor [M1,C1,C2,b4s16384h128q1,...] [repeats]
 // (ab.sh here runs several builds of it alternately and prints their ratios to FlashMLA; ncu_compare.sh profiles
 // both split-KV kernels under Nsight Compute.)
-// Per shape (batch 128, s_k 8192, h_kv 1; M1 = h_q 16, s_q 1; C1 = h_q 128, s_q 1; C2 = h_q 128, s_q 2, causal),
+// Per shape (h_kv 1; M1 = h_q 16, s_q 1; C1 = h_q 128, s_q 1; C2 = h_q 128, s_q 2, causal, all three at batch 128
+// and s_k 8192; any other as b<batch>s<s_k>h<h_q>q<s_q>[c][v], parse_shape below),
 // with standard-normal q and cache and a shuffled block table as our bench has:
 //   - both decodes' outputs are compared (max |difference| and rel-L2 of out, max |difference| of lse; a rel-L2
 //     above 1e-2, five times two bf16 roundings apart, stops the run);
@@ -269,41 +270,70 @@ void time_pair(const char* shape, Decode* decodes[2], void* flush, size_t flush_
 }
 
 struct Shape {
-  const char* name;
-  int s_q, h_q;
-  bool causal;
+  std::string name;
+  int b, s_k, s_q, h_q;
+  bool causal, varlen;
 };
+
+// A shape by name: M1, C1, C2 (batch 128, s_k 8192), or b<batch>s<s_k>h<h_q>q<s_q> with a "c" for causal and a "v"
+// for varlen (lengths uniform in [1, 2 s_k - 1], a fixed draw), e.g. b4s16384h128q1 or b64s4096h16q2c.
+bool parse_shape(const std::string& name, Shape& shape) {
+  const Shape named[] = {{"M1", 128, 8192, 1, 16, false, false},
+                         {"C1", 128, 8192, 1, 128, false, false},
+                         {"C2", 128, 8192, 2, 128, true, false}};
+  for (const Shape& s : named)
+    if (s.name == name) return shape = s, true;
+  char tail[8] = {};
+  shape = {name, 0, 0, 0, 0, false, false};
+  const int got = std::sscanf(name.c_str(), "b%ds%dh%dq%d%7s", &shape.b, &shape.s_k, &shape.h_q, &shape.s_q, tail);
+  if (got < 4 || shape.b < 1 || shape.s_k < 1 || shape.h_q < 1 || shape.h_q > 128 || shape.s_q < 1) return false;
+  for (const char* t = tail; *t; ++t) {
+    if (*t == 'c') shape.causal = true;
+    else if (*t == 'v') shape.varlen = true;
+    else return false;
+  }
+  return shape.s_q * shape.h_q <= 1024;
+}
+
+std::vector<int> shape_lengths(const Shape& shape) {
+  std::vector<int> lens(shape.b, shape.s_k);
+  if (shape.varlen) {
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<int> len(1, 2 * shape.s_k - 1);
+    for (int& l : lens) l = std::max(len(rng), shape.s_q);
+  }
+  return lens;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string wanted = argc > 1 ? argv[1] : "M1,C1,C2";
   const int repeats = argc > 2 ? std::atoi(argv[2]) : 2;
-  const Shape shapes[] = {{"M1", 1, 16, false}, {"C1", 1, 128, false}, {"C2", 2, 128, true}};
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("[flashmla_anchor] %s, %d SMs; batch 128, s_k 8192, h_kv 1; FlashMLA and ours interleaved, "
-              "%d time(s)\n", prop.name, prop.multiProcessorCount, repeats);
+  std::printf("[flashmla_anchor] %s, %d SMs; h_kv 1; FlashMLA and ours interleaved, %d time(s)\n", prop.name,
+              prop.multiProcessorCount, repeats);
   if (!check_small_case(prop.multiProcessorCount)) return 1;
   const size_t flush_bytes = size_t(256) << 20;
   void* flush = device_alloc<char>(flush_bytes);
   std::stringstream list(wanted);
   for (std::string name; std::getline(list, name, ',');) {
-    const Shape* shape =
-        std::find_if(std::begin(shapes), std::end(shapes), [&](const Shape& s) { return name == s.name; });
-    if (shape == std::end(shapes)) {
-      std::fprintf(stderr, "unknown shape %s (M1, C1, C2)\n", name.c_str());
+    Shape shape;
+    if (!parse_shape(name, shape)) {
+      std::fprintf(stderr, "unknown shape %s (M1, C1, C2 or b<batch>s<s_k>h<h_q>q<s_q>[c][v])\n", name.c_str());
       return 2;
     }
-    Problem p(std::vector<int>(128, 8192), shape->s_q, shape->h_q, shape->causal, prop.multiProcessorCount, 1);
+    Problem p(shape_lengths(shape), shape.s_q, shape.h_q, shape.causal, prop.multiProcessorCount, 1);
     Decode fmla = flashmla_bf16_decode(p.in, p.fmla), ours = our_bf16_decode(p.in, p.ours);
     fmla(0);
     ours(0);
     CHECK(cudaDeviceSynchronize());
-    std::printf("%s: h_q %d, s_q %d%s\n", shape->name, shape->h_q, shape->s_q, shape->causal ? ", causal" : "");
+    std::printf("%s: batch %d, s_k %d%s, h_q %d, s_q %d%s\n", shape.name.c_str(), shape.b, shape.s_k,
+                shape.varlen ? " (varlen, mean)" : "", shape.h_q, shape.s_q, shape.causal ? ", causal" : "");
     if (!compare_outputs(p)) return 1;
     Decode* decodes[2] = {&fmla, &ours};
-    for (int r = 0; r < repeats; ++r) time_pair(shape->name, decodes, flush, flush_bytes);
+    for (int r = 0; r < repeats; ++r) time_pair(shape.name.c_str(), decodes, flush, flush_bytes);
   }
   cudaFree(flush);
   return 0;
