@@ -226,6 +226,34 @@ def test_kernel_matches_reference(b, s_q, h_q, h_kv, seqlens, causal, kv_format)
     _check(out, lse, ref_out, ref_lse, kv_format)
 
 
+# The combine's two CTA shapes (cpp/kernels/smxx/combine.cu), reached through get_mla_metadata's num_sms: "deep" for a
+# few sequences with many splits each (the first case has more than its 256-split weight tile), "wide" for many
+# sequences with a few splits (6 or 16 rows: row blocks of 4, the last one partial; h_kv 2). Causal rows 0 of short
+# splits see no key there, so some partials are -inf and must not be read. (b, s_q, h_q, h_kv, seqlens, causal,
+# num_sms, the least largest split count that makes the case what it says.)
+COMBINE_CASES = [
+    (1, 1, 16, 1, [40000], False, 600, 257),
+    (2, 2, 3, 1, [20000, 3000], True, 264, 100),
+    (40, 2, 3, 1, "varlen", True, 132, 4),
+    (24, 1, 32, 2, "varlen", False, 132, 3),
+]
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("b, s_q, h_q, h_kv, seqlens, causal, num_sms, min_splits", COMBINE_CASES)
+def test_combine_of_many_splits(b, s_q, h_q, h_kv, seqlens, causal, num_sms, min_splits, kv_format):
+    rng = np.random.default_rng(zlib.crc32(repr((b, s_q, h_q, h_kv, seqlens, causal, num_sms)).encode()))
+    inp = make_decode_inputs(rng, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=_seqlens(rng, b, seqlens),
+                             kv_format=kv_format)
+    args, kwargs = inp.kernel_args()
+    meta = fm.get_mla_metadata(args[3], s_q * h_q // h_kv, h_kv, num_sms=num_sms)
+    assert np.diff(np.asarray(meta.num_splits)).max() >= min_splits
+    out, lse = jax.block_until_ready(fm.flash_mla_with_kvcache(
+        *args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=causal, implementation="kernel", **kwargs))
+    ref_out, ref_lse = _references(inp, causal)
+    _check(out, lse, ref_out, ref_lse, kv_format)
+
+
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("dist", ["rope_outliers", "small_latent"])
 @pytest.mark.parametrize("s_q, h_q", [(2, 64), pytest.param(1, 16, marks=few_rows)])  # 128 rows; 16 (M1-like)
