@@ -7,19 +7,19 @@
 // kernel directly and have nothing to merge.
 //
 // Work items are (split sequence, block of kRows query rows): only sequences
-// with n >= 2 splits are visited, which each CTA lists from num_splits first,
-// so a large batch of whole sequences costs one scan, not a CTA per row. The
-// grid is as many CTAs as fit on the GPU at once (or fewer items), walking
-// the items in a grid-stride loop. The partials are read by float4 columns (a
-// row's 512 floats = 128 threads' worth), kLoadsInFlight splits at a time per
-// thread: one split at a time left each thread one L2 round trip per split,
-// ~36 µs for a sequence cut into 66 splits (docs/PERF.md, session 48). Two
-// shapes of CTA:
+// with n >= 2 splits are visited, which each CTA lists from num_splits first.
+// The grid has a CTA for every item that can exist (at most num_sm_parts
+// sequences are split); those past the sequences that do exist leave after
+// the scan, so a large batch of whole sequences costs little. The partials
+// are read by float4 columns (a row's 512 floats = 128 threads' worth),
+// several splits at a time per thread: one split at a time left each thread
+// one L2 round trip per split, ~36 µs for a sequence cut into 66 splits
+// (docs/PERF.md, session 48). Two shapes of CTA:
 //   - deep (kRows 1, kPhases 4, 512 threads): few sequences with many splits
 //     each (small batches): a row's splits are dealt out to 4 thread groups,
-//     whose sums meet in shared memory;
+//     each with 8 loads in flight, whose sums meet in shared memory;
 //   - wide (kRows 4, kPhases 1, 256 threads): many sequences with few splits:
-//     the CTA's two thread groups take two rows each.
+//     the CTA's two thread groups take two rows each, 4 loads in flight.
 //
 // Launched with programmatic dependent launch after the decode kernel; see
 // combine_kernel for what it reads before griddepcontrol.wait.
@@ -38,8 +38,8 @@ namespace jax_flash_mla {
 namespace {
 
 constexpr int kColumnSlots = config::kHeadDimV / 4;  // float4 columns of a row: 128
-constexpr int kLoadsInFlight = 8;                    // splits a thread loads before it adds them up
 constexpr int kWeightTile = 256;                     // splits whose weights sit in shared memory at once
+constexpr int kLsePerLane = kWeightTile / 32;        // split lse a lane of a row's warp keeps in registers
 constexpr int kScanThreads = 256;                    // threads that scan num_splits (the smaller CTA)
 constexpr int kListed = 2048;                        // split sequences a CTA lists in shared memory
 
@@ -47,7 +47,12 @@ template <int kRows, int kPhases>
 struct CombineShape {
   static constexpr int kRowGroups = kRows > 1 ? 2 : 1;  // thread groups that take different rows
   static constexpr int kThreads = kColumnSlots * kRowGroups * kPhases;
-  static constexpr int kCtasPerSm = 2048 / kThreads / 2;  // half the thread slots: 64 registers a thread
+  // Splits a thread loads before it adds them up, and the CTAs per SM that
+  // launch_bounds asks ptxas to fit (registers: 64 a thread deep, 48 wide).
+  // Deep CTAs walk many splits, so they keep 8 loads in flight; wide ones
+  // have a few splits a row, so more of them run at once instead.
+  static constexpr int kLoadsInFlight = kRows > 1 ? 4 : 8;
+  static constexpr int kCtasPerSm = kRows > 1 ? 5 : 2;
   static_assert(kRows % kRowGroups == 0 && kThreads >= kScanThreads);
 };
 
@@ -130,20 +135,37 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
     const int split_begin = p.num_splits[batch];
     const int n = p.num_splits[batch + 1] - split_begin;
 
-    // Each row's lse, by warp r (lanes stride the splits).
+    // Each row's lse, by warp r: each lane keeps up to kLsePerLane of the
+    // row's split lse (lane, lane + 32, ...), from which it also writes the
+    // first weight tile. Splits past that (more than kWeightTile) are read
+    // again where their tile is filled.
     if (warp < kRows && first_row + warp < rows) {
       const float* lse_s = p.lse_accum + int64_t(split_begin) * split_stride + first_row + warp;
+      float kept[kLsePerLane];
       float m = -INFINITY;
-      for (int s = lane; s < n; s += 32) m = fmaxf(m, lse_s[s * split_stride]);
+#pragma unroll
+      for (int i = 0; i < kLsePerLane; ++i) {
+        const int s = lane + 32 * i;
+        kept[i] = s < n ? lse_s[s * split_stride] : -INFINITY;
+        m = fmaxf(m, kept[i]);
+      }
+      for (int s = lane + kWeightTile; s < n; s += 32) m = fmaxf(m, lse_s[s * split_stride]);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       float sum = 0.f;
-      if (m != -INFINITY)
-        for (int s = lane; s < n; s += 32) sum += expf(lse_s[s * split_stride] - m);
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int i = 0; i < kLsePerLane; ++i) sum += expf(kept[i] - m);  // 0 for the -inf fill
+        for (int s = lane + kWeightTile; s < n; s += 32) sum += expf(lse_s[s * split_stride] - m);
+      }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       // No split saw a key: out = 0, lse = +inf (README section 1); every weight is then exp(-inf) = 0.
       const float lse = sum > 0.f ? m + logf(sum) : INFINITY;
+#pragma unroll
+      for (int i = 0; i < kLsePerLane; ++i) {
+        if (lane + 32 * i < n) weights[warp][lane + 32 * i] = expf(kept[i] - lse);
+      }
       if (lane == 0) {
         row_lse[warp] = lse;
         const int idx = first_row + warp, r = idx % p.q_rows_per_head_k;
@@ -156,14 +178,17 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
     for (float4& a : acc) a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int tile = 0; tile < n; tile += kWeightTile) {
       const int tile_n = min(n - tile, kWeightTile);
-      __syncthreads();  // row_lse written; the last tile's weights read
-      for (int i = threadIdx.x; i < kRows * tile_n; i += Shape::kThreads) {
-        const int r = i / tile_n, s = i % tile_n;
-        weights[r][s] = first_row + r < rows ? expf(p.lse_accum[int64_t(split_begin + tile + s) * split_stride +
-                                                                first_row + r] - row_lse[r])
-                                             : 0.f;
+      __syncthreads();  // the first tile's weights and row_lse written; a later tile: the last one's weights read
+      if (tile > 0) {
+        for (int i = threadIdx.x; i < kRows * tile_n; i += Shape::kThreads) {
+          const int r = i / tile_n, s = i % tile_n;
+          if (first_row + r < rows) {
+            weights[r][s] = expf(p.lse_accum[int64_t(split_begin + tile + s) * split_stride + first_row + r] -
+                                 row_lse[r]);
+          }
+        }
+        __syncthreads();
       }
-      __syncthreads();
 #pragma unroll
       for (int k = 0; k < kRows / Shape::kRowGroups; ++k) {
         const int r = row_group + k * Shape::kRowGroups;
@@ -172,19 +197,19 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
                                 p.o_accum + (int64_t(split_begin + tile) * split_stride + first_row + r) *
                                                 config::kHeadDimV) +
                             slot;
-        for (int s0 = phase; s0 < tile_n; s0 += kLoadsInFlight * kPhases) {
-          float w[kLoadsInFlight];
-          float4 v[kLoadsInFlight];
+        for (int s0 = phase; s0 < tile_n; s0 += Shape::kLoadsInFlight * kPhases) {
+          float w[Shape::kLoadsInFlight];
+          float4 v[Shape::kLoadsInFlight];
           // All loads first (past the tile's end they re-read its last
           // split), then the sums.
 #pragma unroll
-          for (int j = 0; j < kLoadsInFlight; ++j) {
+          for (int j = 0; j < Shape::kLoadsInFlight; ++j) {
             const int s = min(s0 + j * kPhases, tile_n - 1);
             w[j] = s0 + j * kPhases < tile_n ? weights[r][s] : 0.f;
             v[j] = load_partial(o_s + int64_t(s) * split_stride * kColumnSlots);
           }
 #pragma unroll
-          for (int j = 0; j < kLoadsInFlight; ++j) {
+          for (int j = 0; j < Shape::kLoadsInFlight; ++j) {
             // A zero weight (a split where the row saw no key) is skipped, not
             // multiplied: that partial row may never have been written.
             if (w[j] != 0.f) {
@@ -233,17 +258,14 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
   }
 }
 
-// Grid: the (split sequence, row block) items that can exist, but no more CTAs
-// than fit on the GPU at once, which walk the items in a grid-stride loop.
+// Grid: one CTA per (split sequence, row block) item that can exist; those
+// past the sequences that do exist leave after the scan.
 template <int kRows, int kPhases>
 void launch_combine(const DecodeParams& p, int rows, int split_sequences) {
   using Shape = CombineShape<kRows, kPhases>;
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "combine", "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "combine", "SM count");
   const int64_t items = int64_t(split_sequences) * ((rows + kRows - 1) / kRows);
-  const int ctas = int(std::min<int64_t>(items, int64_t(sms) * Shape::kCtasPerSm));
-  launch_with_pdl(combine_kernel<kRows, kPhases>, dim3(ctas), dim3(Shape::kThreads), 0, p.stream, "combine", p);
+  launch_with_pdl(combine_kernel<kRows, kPhases>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))),
+                  dim3(Shape::kThreads), 0, p.stream, "combine", p);
 }
 
 }  // namespace
