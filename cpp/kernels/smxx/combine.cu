@@ -17,9 +17,13 @@
 // (docs/PERF.md, session 48). Two shapes of CTA:
 //   - deep (kRows 1, kPhases 4, 512 threads): few sequences with many splits
 //     each (small batches): a row's splits are dealt out to 4 thread groups,
-//     each with 8 loads in flight, whose sums meet in shared memory;
-//   - wide (kRows 4, kPhases 1, 256 threads): many sequences with few splits:
-//     the CTA's two thread groups take two rows each, 4 loads in flight.
+//     8 splits at a time each, whose sums meet in shared memory;
+//   - wide (kRows 4, kPhases 1, 128 threads): many sequences with few splits:
+//     each thread takes its column of 4 rows, 2 splits of each at a time.
+// Both are held to 64 registers a thread, half the SM's thread slots: so
+// that a grid of wide CTAs runs in one wave where the old warp-per-row
+// combine did (session 48: 256-thread CTAs at 48 registers took two, ~3 µs
+// slower than that combine at b 64, h_q 64, s_k 4096).
 //
 // Launched with programmatic dependent launch after the decode kernel; see
 // combine_kernel for what it reads before griddepcontrol.wait.
@@ -40,20 +44,19 @@ namespace {
 constexpr int kColumnSlots = config::kHeadDimV / 4;  // float4 columns of a row: 128
 constexpr int kWeightTile = 256;                     // splits whose weights sit in shared memory at once
 constexpr int kLsePerLane = kWeightTile / 32;        // split lse a lane of a row's warp keeps in registers
-constexpr int kScanThreads = 256;                    // threads that scan num_splits (the smaller CTA)
 constexpr int kListed = 2048;                        // split sequences a CTA lists in shared memory
+constexpr int kLoadsInFlight = 8;                    // partial loads a thread issues before it adds them up
 
+// A CTA takes kRows query rows of one split sequence; its 128 * kPhases
+// threads each own one float4 column of all kRows rows, and phase p of them
+// the splits p, p + kPhases, ... A thread loads kLoadsInFlight float4 at a
+// time: kLoadsInFlight / kRows splits of each of its rows.
 template <int kRows, int kPhases>
 struct CombineShape {
-  static constexpr int kRowGroups = kRows > 1 ? 2 : 1;  // thread groups that take different rows
-  static constexpr int kThreads = kColumnSlots * kRowGroups * kPhases;
-  // Splits a thread loads before it adds them up, and the CTAs per SM that
-  // launch_bounds asks ptxas to fit (registers: 64 a thread deep, 48 wide).
-  // Deep CTAs walk many splits, so they keep 8 loads in flight; wide ones
-  // have a few splits a row, so more of them run at once instead.
-  static constexpr int kLoadsInFlight = kRows > 1 ? 4 : 8;
-  static constexpr int kCtasPerSm = kRows > 1 ? 5 : 2;
-  static_assert(kRows % kRowGroups == 0 && kThreads >= kScanThreads);
+  static constexpr int kThreads = kColumnSlots * kPhases;
+  static constexpr int kSplitsPerBatch = kLoadsInFlight / kRows;
+  static constexpr int kCtasPerSm = 2048 / kThreads / 2;  // launch_bounds: 64 registers a thread
+  static_assert(kLoadsInFlight % kRows == 0 && kRows <= kThreads / 32);
 };
 
 // One float4 of a partial row. Volatile, so that the loads of a batch stay
@@ -68,19 +71,20 @@ __device__ __forceinline__ float4 load_partial(const float4* src) {
 
 // Lists the sequences with two splits or more, in batch order, into `list`
 // (the first kListed of them) and returns how many there are. Every thread of
-// the CTA calls it and gets the same count.
+// the CTA (kThreads of them) calls it and gets the same count.
+template <int kThreads>
 __device__ int list_split_sequences(const int32_t* num_splits, int batch, int* list) {
-  __shared__ int warp_counts[kScanThreads / 32];
+  __shared__ int warp_counts[kThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int count = 0;
-  for (int base = 0; base < batch; base += kScanThreads) {
+  for (int base = 0; base < batch; base += kThreads) {
     const int b = base + int(threadIdx.x);
-    const bool split = threadIdx.x < kScanThreads && b < batch && num_splits[b + 1] - num_splits[b] >= 2;
+    const bool split = b < batch && num_splits[b + 1] - num_splits[b] >= 2;
     const unsigned ballot = __ballot_sync(0xffffffffu, split);
-    if (threadIdx.x < kScanThreads && lane == 0) warp_counts[warp] = __popc(ballot);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
     int before = count, total = 0;
-    for (int w = 0; w < kScanThreads / 32; ++w) {
+    for (int w = 0; w < kThreads / 32; ++w) {
       before += w < warp ? warp_counts[w] : 0;
       total += warp_counts[w];
     }
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
   // under the decode kernel's tail, and a CTA with nothing to merge leaves
   // before the decode kernel ends. The partials are read only after the
   // wait below.
-  const int count = list_split_sequences(p.num_splits, p.batch, list);
+  const int count = list_split_sequences<Shape::kThreads>(p.num_splits, p.batch, list);
   const int rows = p.num_heads_k * p.q_rows_per_head_k;
   const int row_blocks = (rows + kRows - 1) / kRows;
   const int64_t items = int64_t(count) * row_blocks;  // (split sequence, row block), sequence-major
@@ -124,9 +128,7 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int slot = threadIdx.x % kColumnSlots;
-  const int group = threadIdx.x / kColumnSlots;
-  const int row_group = group % Shape::kRowGroups, phase = group / Shape::kRowGroups;
+  const int slot = threadIdx.x % kColumnSlots, phase = threadIdx.x / kColumnSlots;
   const int64_t split_stride = rows;  // partial s of row idx: [(split_begin + s) * rows + idx]
 
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
       }
     }
 
-    float4 acc[kRows / Shape::kRowGroups];
+    float4 acc[kRows];
     for (float4& a : acc) a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int tile = 0; tile < n; tile += kWeightTile) {
       const int tile_n = min(n - tile, kWeightTile);
@@ -189,34 +191,43 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
         }
         __syncthreads();
       }
+      // This tile's partials at this thread's column: row first_row + r of
+      // split s at o_tile + s * split_floats4 + row_at[r] (rows past the last
+      // read the last row, with weight 0).
+      const float4* o_tile = reinterpret_cast<const float4*>(
+                                 p.o_accum + (int64_t(split_begin + tile) * split_stride + first_row) *
+                                                 config::kHeadDimV) +
+                             slot;
+      const int64_t split_floats4 = split_stride * kColumnSlots;
+      int row_at[kRows];
 #pragma unroll
-      for (int k = 0; k < kRows / Shape::kRowGroups; ++k) {
-        const int r = row_group + k * Shape::kRowGroups;
-        if (first_row + r >= rows) continue;
-        const float4* o_s = reinterpret_cast<const float4*>(
-                                p.o_accum + (int64_t(split_begin + tile) * split_stride + first_row + r) *
-                                                config::kHeadDimV) +
-                            slot;
-        for (int s0 = phase; s0 < tile_n; s0 += Shape::kLoadsInFlight * kPhases) {
-          float w[Shape::kLoadsInFlight];
-          float4 v[Shape::kLoadsInFlight];
-          // All loads first (past the tile's end they re-read its last
-          // split), then the sums.
+      for (int r = 0; r < kRows; ++r) row_at[r] = min(r, rows - 1 - first_row) * kColumnSlots;
+      constexpr int kStep = Shape::kSplitsPerBatch * kPhases;
+      for (int s0 = phase; s0 < tile_n; s0 += kStep) {
+        float w[kRows][Shape::kSplitsPerBatch];
+        float4 v[kRows][Shape::kSplitsPerBatch];
+        // All loads first (past the tile's end they re-read its last split),
+        // then the sums.
 #pragma unroll
-          for (int j = 0; j < Shape::kLoadsInFlight; ++j) {
+        for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+          for (int j = 0; j < Shape::kSplitsPerBatch; ++j) {
             const int s = min(s0 + j * kPhases, tile_n - 1);
-            w[j] = s0 + j * kPhases < tile_n ? weights[r][s] : 0.f;
-            v[j] = load_partial(o_s + int64_t(s) * split_stride * kColumnSlots);
+            w[r][j] = s0 + j * kPhases < tile_n && first_row + r < rows ? weights[r][s] : 0.f;
+            v[r][j] = load_partial(o_tile + s * split_floats4 + row_at[r]);
           }
+        }
 #pragma unroll
-          for (int j = 0; j < Shape::kLoadsInFlight; ++j) {
+        for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+          for (int j = 0; j < Shape::kSplitsPerBatch; ++j) {
             // A zero weight (a split where the row saw no key) is skipped, not
             // multiplied: that partial row may never have been written.
-            if (w[j] != 0.f) {
-              acc[k].x += w[j] * v[j].x;
-              acc[k].y += w[j] * v[j].y;
-              acc[k].z += w[j] * v[j].z;
-              acc[k].w += w[j] * v[j].w;
+            if (w[r][j] != 0.f) {
+              acc[r].x += w[r][j] * v[r][j].x;
+              acc[r].y += w[r][j] * v[r][j].y;
+              acc[r].z += w[r][j] * v[r][j].z;
+              acc[r].w += w[r][j] * v[r][j].w;
             }
           }
         }
@@ -239,8 +250,8 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
     }
     if (phase == 0) {
 #pragma unroll
-      for (int k = 0; k < kRows / Shape::kRowGroups; ++k) {
-        const int idx = first_row + row_group + k * Shape::kRowGroups;
+      for (int k = 0; k < kRows; ++k) {
+        const int idx = first_row + k;
         if (idx >= rows) continue;
         const int r = idx % p.q_rows_per_head_k;
         const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
