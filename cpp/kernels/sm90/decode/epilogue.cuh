@@ -97,7 +97,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
       } else {
         const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
         const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
-        if (valid[h] && p.batch < 0) {  // knockout nost: the partials' stores never run
+        if (valid[h]) {
           *reinterpret_cast<float4*>(p.o_accum + out_off[h] + col) =
               odd ? make_float4(g0, g1, y0, y1) : make_float4(x0, x1, g0, g1);
         }
