@@ -4,33 +4,22 @@
 // For a query row with n splits: lse = log(sum_s exp(lse_s)) and
 // out = sum_s exp(lse_s - lse) * o_s (lse_s natural log, -inf where split s
 // saw no key). Sequences with a single split were written by the decode
-// kernel directly and have nothing to merge.
-//
-// Work items are (split sequence, block of kRows query rows): only sequences
-// with n >= 2 splits are visited, which each CTA lists from num_splits first.
-// The grid has a CTA for every item that can exist (at most num_sm_parts
-// sequences are split); those past the sequences that do exist leave after
-// the scan, so a large batch of whole sequences costs little. The partials
-// are read by float4 columns (a row's 512 floats = 128 threads' worth),
-// several splits at a time per thread: one split at a time left each thread
-// one L2 round trip per split, ~36 µs for a sequence cut into 66 splits
-// (docs/PERF.md, session 48). Two shapes of CTA:
-//   - deep (kRows 1, kPhases 4, 512 threads): few sequences with many splits
-//     each (small batches): a row's splits are dealt out to 4 thread groups,
-//     8 splits at a time each, whose sums meet in shared memory;
-//   - wide (kRows 4, kPhases 1, 128 threads): many sequences with few splits:
-//     each thread takes its column of 4 rows, 2 splits of each at a time.
-// Both are held to 64 registers a thread, half the SM's thread slots: so
-// that a grid of wide CTAs runs in one wave where the old warp-per-row
-// combine did (session 48: 256-thread CTAs at 48 registers took two, ~3 µs
-// slower than that combine at b 64, h_q 64, s_k 4096).
-//
-// Launched with programmatic dependent launch after the decode kernel; see
-// combine_kernel for what it reads before griddepcontrol.wait.
+// kernel directly and have nothing to merge. Two kernels, picked by how many
+// splits a split sequence can have (run_combine):
+//   - combine_rows_kernel, many sequences with a few splits each: a warp per
+//     (sequence, query row), one split after another;
+//   - combine_deep_kernel, a few sequences with many splits each (small
+//     batches): a CTA per (split sequence, query row), whose 512 threads deal
+//     the row's splits out in 4 phases with 8 loads in flight each. One
+//     split at a time, as the rows kernel goes, took ~36 µs for a sequence
+//     cut into 66 splits (docs/PERF.md, session 48).
+// Both are launched with programmatic dependent launch after the decode
+// kernel and read its partials only after wait_for_decode_grid.
 #include "kernels/smxx/combine.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -41,23 +30,118 @@
 namespace jax_flash_mla {
 namespace {
 
-constexpr int kColumnSlots = config::kHeadDimV / 4;  // float4 columns of a row: 128
-constexpr int kWeightTile = 256;                     // splits whose weights sit in shared memory at once
-constexpr int kLsePerLane = kWeightTile / 32;        // split lse a lane of a row's warp keeps in registers
-constexpr int kListed = 2048;                        // split sequences a CTA lists in shared memory
-constexpr int kLoadsInFlight = 8;                    // partial loads a thread issues before it adds them up
+// Programmatic dependent launch: wait until the decode grid has completed and
+// its writes are visible (PTX ISA "griddepcontrol").
+__device__ __forceinline__ void wait_for_decode_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
-// A CTA takes kRows query rows of one split sequence; its 128 * kPhases
-// threads each own one float4 column of all kRows rows, and phase p of them
-// the splits p, p + kPhases, ... A thread loads kLoadsInFlight float4 at a
-// time: kLoadsInFlight / kRows splits of each of its rows.
-template <int kRows, int kPhases>
-struct CombineShape {
-  static constexpr int kThreads = kColumnSlots * kPhases;
-  static constexpr int kSplitsPerBatch = kLoadsInFlight / kRows;
-  static constexpr int kCtasPerSm = 2048 / kThreads / 2;  // launch_bounds: 64 registers a thread
-  static_assert(kLoadsInFlight % kRows == 0 && kRows <= kThreads / 32);
-};
+// Output row idx = head_k * q_rows_per_head_k + r of sequence `batch`: its
+// out element offset and its lse index.
+__device__ __forceinline__ int64_t out_offset(const DecodeParams& p, int batch, int idx) {
+  const int r = idx % p.q_rows_per_head_k;
+  const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
+  return batch * p.out_batch_stride + (r / p.heads_per_head_k) * p.out_seq_stride + head_q * p.out_head_stride;
+}
+__device__ __forceinline__ int64_t lse_index(const DecodeParams& p, int batch, int idx) {
+  const int r = idx % p.q_rows_per_head_k;
+  const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
+  return (int64_t(batch) * p.num_heads_q + head_q) * p.seqlen_q + r / p.heads_per_head_k;
+}
+
+// ---------------------------------------------------------------- rows kernel
+// Grid: (ceil(num_heads_k * q_rows_per_head_k / 4), batch); block: 128
+// threads = 4 warps, one warp per (KV head, query row). A warp reads the
+// row's num_splits partial lse values, forms lse, and sums the fp32 partial
+// outputs weighted by exp(lse_s - lse); each lane owns 16 of the 512 columns
+// as four float4 loads (coalesced 512 B per warp and step). Warps of
+// sequences with a single split return at once.
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kColsPerLane = config::kHeadDimV / 32;  // 16
+
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) combine_rows_kernel(const __grid_constant__ DecodeParams p) {
+  wait_for_decode_grid();
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int batch = blockIdx.y;
+  const int idx = blockIdx.x * kWarpsPerBlock + warp;  // head_k * q_rows + row
+  if (idx >= p.num_heads_k * p.q_rows_per_head_k) return;
+  const int split_begin = p.num_splits[batch];
+  const int n = p.num_splits[batch + 1] - split_begin;
+  if (n <= 1) return;
+
+  const int head_k = idx / p.q_rows_per_head_k;
+  const int r = idx % p.q_rows_per_head_k;
+  // Partial s of this row lives at [(split_begin + s) * h_kv * q_rows + idx].
+  const int64_t split_stride = int64_t(p.num_heads_k) * p.q_rows_per_head_k;
+  const int64_t row0 = int64_t(split_begin) * split_stride + idx;
+
+  // Pass 1: global max and sum of exp over the splits (lanes stride the splits).
+  float m = -INFINITY;
+  for (int s = lane; s < n; s += 32) m = fmaxf(m, p.lse_accum[row0 + s * split_stride]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float sum = 0.f;
+  if (m != -INFINITY)
+    for (int s = lane; s < n; s += 32) sum += expf(p.lse_accum[row0 + s * split_stride] - m);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  // No split saw a key: out = 0, lse = +inf (README section 1).
+  const float lse = sum > 0.f ? m + logf(sum) : INFINITY;
+
+  // Pass 2: out = sum_s exp(lse_s - lse) * o_s.
+  float acc[kColsPerLane] = {};
+  if (sum > 0.f) {
+    for (int s = 0; s < n; ++s) {
+      const float w = expf(p.lse_accum[row0 + s * split_stride] - lse);  // 0 for a -inf partial
+      if (w == 0.f) continue;  // also skips rows a split never wrote meaningfully
+      const float4* src =
+          reinterpret_cast<const float4*>(p.o_accum + (row0 + s * split_stride) * config::kHeadDimV);
+#pragma unroll
+      for (int i = 0; i < kColsPerLane / 4; ++i) {
+        const float4 v = src[lane + 32 * i];
+        acc[4 * i + 0] += w * v.x;
+        acc[4 * i + 1] += w * v.y;
+        acc[4 * i + 2] += w * v.z;
+        acc[4 * i + 3] += w * v.w;
+      }
+    }
+  }
+
+  const int s_q = r / p.heads_per_head_k;
+  const int head_q = head_k * p.heads_per_head_k + r % p.heads_per_head_k;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + batch * p.out_batch_stride +
+                       s_q * p.out_seq_stride + head_q * p.out_head_stride;
+#pragma unroll
+  for (int i = 0; i < kColsPerLane / 4; ++i) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(acc[4 * i + 0], acc[4 * i + 1]);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    uint2 packed;
+    packed.x = *reinterpret_cast<uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(out + 4 * (lane + 32 * i)) = packed;
+  }
+  if (lane == 0) p.lse[(int64_t(batch) * p.num_heads_q + head_q) * p.seqlen_q + s_q] = lse;
+}
+
+// ---------------------------------------------------------------- deep kernel
+// Work items are (split sequence, query row); only sequences with n >= 2
+// splits are visited, which every CTA lists from num_splits first. The grid
+// has a CTA for each item that can exist (at most num_sm_parts sequences are
+// split); CTAs past the existing ones leave after the scan. Thread t owns
+// float4 column t % 128 of the row and, in phase t / 128, the splits
+// phase, phase + 4, ...; the phases' sums meet in shared memory.
+
+constexpr int kColumnSlots = config::kHeadDimV / 4;  // float4 columns of a row: 128
+constexpr int kPhases = 4;
+constexpr int kDeepThreads = kColumnSlots * kPhases;  // 512
+constexpr int kLoadsInFlight = 8;                     // splits a thread loads before it adds them up
+constexpr int kWeightTile = 256;                      // splits whose weights sit in shared memory at once
+constexpr int kLsePerLane = kWeightTile / 32;         // split lse a lane of warp 0 keeps in registers
+constexpr int kListed = 2048;                         // split sequences a CTA lists in shared memory
 
 // One float4 of a partial row. Volatile, so that the loads of a batch stay
 // ahead of the sums that use them.
@@ -71,20 +155,19 @@ __device__ __forceinline__ float4 load_partial(const float4* src) {
 
 // Lists the sequences with two splits or more, in batch order, into `list`
 // (the first kListed of them) and returns how many there are. Every thread of
-// the CTA (kThreads of them) calls it and gets the same count.
-template <int kThreads>
+// the CTA calls it and gets the same count.
 __device__ int list_split_sequences(const int32_t* num_splits, int batch, int* list) {
-  __shared__ int warp_counts[kThreads / 32];
+  __shared__ int warp_counts[kDeepThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int count = 0;
-  for (int base = 0; base < batch; base += kThreads) {
+  for (int base = 0; base < batch; base += kDeepThreads) {
     const int b = base + int(threadIdx.x);
     const bool split = b < batch && num_splits[b + 1] - num_splits[b] >= 2;
     const unsigned ballot = __ballot_sync(0xffffffffu, split);
     if (lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
     int before = count, total = 0;
-    for (int w = 0; w < kThreads / 32; ++w) {
+    for (int w = 0; w < kDeepThreads / 32; ++w) {
       before += w < warp ? warp_counts[w] : 0;
       total += warp_counts[w];
     }
@@ -105,44 +188,39 @@ __device__ int split_sequence(const int32_t* num_splits, int batch, const int* l
   return batch - 1;  // not reached: rank < the listed count
 }
 
-template <int kRows, int kPhases>
-__global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, CombineShape<kRows, kPhases>::kCtasPerSm)
-    combine_kernel(const __grid_constant__ DecodeParams p) {
-  using Shape = CombineShape<kRows, kPhases>;
+// 2 CTAs an SM: 64 registers a thread, which hold the 8 loads in flight
+// (ptxas otherwise kept ~2 of them in flight at 40).
+__global__ void __launch_bounds__(kDeepThreads, 2) combine_deep_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ int list[kListed];
-  __shared__ float weights[kRows][kWeightTile];
-  __shared__ float row_lse[kRows];
-  __shared__ float4 phase_sums[kPhases > 1 ? kPhases - 1 : 1][kColumnSlots];
+  __shared__ float weights[kWeightTile];
+  __shared__ float row_lse;
+  __shared__ float4 phase_sums[kPhases - 1][kColumnSlots];
 
   // num_splits comes from the scheduler, which finished before the decode
   // kernel passed its own griddepcontrol.wait, and every decode CTA passes it
-  // before it lets this grid start (launch_dependents): so the scan runs
-  // under the decode kernel's tail, and a CTA with nothing to merge leaves
-  // before the decode kernel ends. The partials are read only after the
-  // wait below.
-  const int count = list_split_sequences<Shape::kThreads>(p.num_splits, p.batch, list);
+  // before it lets this grid start (launch_dependents): so the scan may run
+  // under the decode kernel's tail. The partials are read only after the wait.
+  const int count = list_split_sequences(p.num_splits, p.batch, list);
   const int rows = p.num_heads_k * p.q_rows_per_head_k;
-  const int row_blocks = (rows + kRows - 1) / kRows;
-  const int64_t items = int64_t(count) * row_blocks;  // (split sequence, row block), sequence-major
+  const int64_t items = int64_t(count) * rows;  // (split sequence, row), sequence-major
   if (blockIdx.x >= items) return;
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  wait_for_decode_grid();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = threadIdx.x % kColumnSlots, phase = threadIdx.x / kColumnSlots;
   const int64_t split_stride = rows;  // partial s of row idx: [(split_begin + s) * rows + idx]
 
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int batch = split_sequence(p.num_splits, p.batch, list, int(item / row_blocks));
-    const int first_row = int(item % row_blocks) * kRows;
+    const int batch = split_sequence(p.num_splits, p.batch, list, int(item / rows));
+    const int idx = int(item % rows);
     const int split_begin = p.num_splits[batch];
     const int n = p.num_splits[batch + 1] - split_begin;
+    const float* lse_s = p.lse_accum + int64_t(split_begin) * split_stride + idx;
 
-    // Each row's lse, by warp r: each lane keeps up to kLsePerLane of the
-    // row's split lse (lane, lane + 32, ...), from which it also writes the
-    // first weight tile. Splits past that (more than kWeightTile) are read
-    // again where their tile is filled.
-    if (warp < kRows && first_row + warp < rows) {
-      const float* lse_s = p.lse_accum + int64_t(split_begin) * split_stride + first_row + warp;
+    // The row's lse, by warp 0: each lane keeps up to kLsePerLane split lse
+    // (lane, lane + 32, ...), from which it also writes the first weight
+    // tile. Splits past kWeightTile are read again where their tile is filled.
+    if (warp == 0) {
       float kept[kLsePerLane];
       float m = -INFINITY;
 #pragma unroll
@@ -166,117 +244,72 @@ __global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, Combin
       const float lse = sum > 0.f ? m + logf(sum) : INFINITY;
 #pragma unroll
       for (int i = 0; i < kLsePerLane; ++i) {
-        if (lane + 32 * i < n) weights[warp][lane + 32 * i] = expf(kept[i] - lse);
+        if (lane + 32 * i < n) weights[lane + 32 * i] = expf(kept[i] - lse);
       }
       if (lane == 0) {
-        row_lse[warp] = lse;
-        const int idx = first_row + warp, r = idx % p.q_rows_per_head_k;
-        const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
-        p.lse[(int64_t(batch) * p.num_heads_q + head_q) * p.seqlen_q + r / p.heads_per_head_k] = lse;
+        row_lse = lse;
+        p.lse[lse_index(p, batch, idx)] = lse;
       }
     }
 
-    float4 acc[kRows];
-    for (float4& a : acc) a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int tile = 0; tile < n; tile += kWeightTile) {
       const int tile_n = min(n - tile, kWeightTile);
       __syncthreads();  // the first tile's weights and row_lse written; a later tile: the last one's weights read
       if (tile > 0) {
-        for (int i = threadIdx.x; i < kRows * tile_n; i += Shape::kThreads) {
-          const int r = i / tile_n, s = i % tile_n;
-          if (first_row + r < rows) {
-            weights[r][s] = expf(p.lse_accum[int64_t(split_begin + tile + s) * split_stride + first_row + r] -
-                                 row_lse[r]);
-          }
-        }
+        for (int s = threadIdx.x; s < tile_n; s += kDeepThreads)
+          weights[s] = expf(lse_s[(tile + s) * split_stride] - row_lse);
         __syncthreads();
       }
-      // This tile's partials at this thread's column: row first_row + r of
-      // split s at o_tile + s * split_floats4 + row_at[r] (rows past the last
-      // read the last row, with weight 0).
-      const float4* o_tile = reinterpret_cast<const float4*>(
-                                 p.o_accum + (int64_t(split_begin + tile) * split_stride + first_row) *
-                                                 config::kHeadDimV) +
-                             slot;
-      const int64_t split_floats4 = split_stride * kColumnSlots;
-      int row_at[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) row_at[r] = min(r, rows - 1 - first_row) * kColumnSlots;
-      constexpr int kStep = Shape::kSplitsPerBatch * kPhases;
-      for (int s0 = phase; s0 < tile_n; s0 += kStep) {
-        float w[kRows][Shape::kSplitsPerBatch];
-        float4 v[kRows][Shape::kSplitsPerBatch];
+      const float4* o_s =
+          reinterpret_cast<const float4*>(p.o_accum + (int64_t(split_begin + tile) * split_stride + idx) *
+                                                          config::kHeadDimV) +
+          slot;
+      for (int s0 = phase; s0 < tile_n; s0 += kLoadsInFlight * kPhases) {
+        float w[kLoadsInFlight];
+        float4 v[kLoadsInFlight];
         // All loads first (past the tile's end they re-read its last split),
         // then the sums.
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-          for (int j = 0; j < Shape::kSplitsPerBatch; ++j) {
-            const int s = min(s0 + j * kPhases, tile_n - 1);
-            w[r][j] = s0 + j * kPhases < tile_n && first_row + r < rows ? weights[r][s] : 0.f;
-            v[r][j] = load_partial(o_tile + s * split_floats4 + row_at[r]);
-          }
+        for (int j = 0; j < kLoadsInFlight; ++j) {
+          const int s = min(s0 + j * kPhases, tile_n - 1);
+          w[j] = s0 + j * kPhases < tile_n ? weights[s] : 0.f;
+          v[j] = load_partial(o_s + s * split_stride * kColumnSlots);
         }
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-          for (int j = 0; j < Shape::kSplitsPerBatch; ++j) {
-            // A zero weight (a split where the row saw no key) is skipped, not
-            // multiplied: that partial row may never have been written.
-            if (w[r][j] != 0.f) {
-              acc[r].x += w[r][j] * v[r][j].x;
-              acc[r].y += w[r][j] * v[r][j].y;
-              acc[r].z += w[r][j] * v[r][j].z;
-              acc[r].w += w[r][j] * v[r][j].w;
-            }
+        for (int j = 0; j < kLoadsInFlight; ++j) {
+          // A zero weight (a split where the row saw no key) is skipped, not
+          // multiplied: that partial row may never have been written.
+          if (w[j] != 0.f) {
+            acc.x += w[j] * v[j].x;
+            acc.y += w[j] * v[j].y;
+            acc.z += w[j] * v[j].z;
+            acc.w += w[j] * v[j].w;
           }
         }
       }
     }
 
-    if constexpr (kPhases > 1) {
-      if (phase > 0) phase_sums[phase - 1][slot] = acc[0];
-      __syncthreads();
-      if (phase == 0) {
-#pragma unroll
-        for (int ph = 0; ph < kPhases - 1; ++ph) {
-          const float4 x = phase_sums[ph][slot];
-          acc[0].x += x.x;
-          acc[0].y += x.y;
-          acc[0].z += x.z;
-          acc[0].w += x.w;
-        }
-      }
-    }
+    if (phase > 0) phase_sums[phase - 1][slot] = acc;
+    __syncthreads();
     if (phase == 0) {
 #pragma unroll
-      for (int k = 0; k < kRows; ++k) {
-        const int idx = first_row + k;
-        if (idx >= rows) continue;
-        const int r = idx % p.q_rows_per_head_k;
-        const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + batch * p.out_batch_stride +
-                             (r / p.heads_per_head_k) * p.out_seq_stride + head_q * p.out_head_stride;
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[k].x, acc[k].y);
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[k].z, acc[k].w);
-        uint2 packed;
-        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-        *reinterpret_cast<uint2*>(out + 4 * slot) = packed;
+      for (int ph = 0; ph < kPhases - 1; ++ph) {
+        const float4 x = phase_sums[ph][slot];
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
       }
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + out_offset(p, batch, idx);
+      *reinterpret_cast<uint2*>(out + 4 * slot) = packed;
     }
     __syncthreads();  // row_lse, weights and phase_sums are reused by the next item
   }
-}
-
-// Grid: one CTA per (split sequence, row block) item that can exist; those
-// past the sequences that do exist leave after the scan.
-template <int kRows, int kPhases>
-void launch_combine(const DecodeParams& p, int rows, int split_sequences) {
-  using Shape = CombineShape<kRows, kPhases>;
-  const int64_t items = int64_t(split_sequences) * ((rows + kRows - 1) / kRows);
-  launch_with_pdl(combine_kernel<kRows, kPhases>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))),
-                  dim3(Shape::kThreads), 0, p.stream, "combine", p);
 }
 
 }  // namespace
@@ -285,14 +318,19 @@ void run_combine(const DecodeParams& params) {
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   const int rows = params.num_heads_k * params.q_rows_per_head_k;
   // A split sequence spans at least two partitions, so at most num_sm_parts
-  // sequences have two splits or more (CTAs past the last one return).
+  // sequences have two splits or more, and they average num_sm_parts /
+  // min(batch, num_sm_parts) splits or more. The deep kernel once that is 8
+  // or more (a phase's first batch of loads full): measured on an H100 in
+  // session 48, it beat the rows kernel at b 1-8 and lost 1-2 % of the decode
+  // to it at b 16-128 (docs/PERF.md).
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
-  // Sequences average num_sm_parts / split_sequences splits or more: deep
-  // CTAs once that is 8 or more (one round of loads per group and then some).
   if (split_sequences * 8 <= params.num_sm_parts) {
-    launch_combine<1, 4>(params, rows, split_sequences);
+    const int64_t items = int64_t(split_sequences) * rows;
+    launch_with_pdl(combine_deep_kernel, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))), dim3(kDeepThreads), 0,
+                    params.stream, "combine", params);
   } else {
-    launch_combine<4, 1>(params, rows, split_sequences);
+    launch_with_pdl(combine_rows_kernel, dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch),
+                    dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
   }
 }
 
