@@ -226,11 +226,11 @@ def test_kernel_matches_reference(b, s_q, h_q, h_kv, seqlens, causal, kv_format)
     _check(out, lse, ref_out, ref_lse, kv_format)
 
 
-# The combine's two CTA shapes (cpp/kernels/smxx/combine.cu), reached through get_mla_metadata's num_sms: "deep" for a
-# few sequences with many splits each (the first case has more than its 256-split weight tile), "wide" for many
-# sequences with a few splits (6 or 16 rows: row blocks of 4, the last one partial; h_kv 2). Causal rows 0 of short
-# splits see no key there, so some partials are -inf and must not be read. (b, s_q, h_q, h_kv, seqlens, causal,
-# num_sms, the least largest split count that makes the case what it says.)
+# The combine's two kernels (cpp/kernels/smxx/combine.cu), reached through get_mla_metadata's num_sms: the deep one
+# for a few sequences with many splits each (the first two cases; the first has more than its 256-split weight
+# tile), the rows one for many sequences with a few splits (h_kv 2 in the last). Causal rows 0 of short splits see
+# no key there, so some partials are -inf and must not be read. (b, s_q, h_q, h_kv, seqlens, causal, num_sms, the
+# least largest split count that makes the case what it says.)
 COMBINE_CASES = [
     (1, 1, 16, 1, [40000], False, 600, 257),
     (2, 2, 3, 1, [20000, 3000], True, 264, 100),
