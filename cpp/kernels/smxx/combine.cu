@@ -38,19 +38,6 @@ __device__ __forceinline__ void wait_for_decode_grid() {
 #endif
 }
 
-// Output row idx = head_k * q_rows_per_head_k + r of sequence `batch`: its
-// out element offset and its lse index.
-__device__ __forceinline__ int64_t out_offset(const DecodeParams& p, int batch, int idx) {
-  const int r = idx % p.q_rows_per_head_k;
-  const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
-  return batch * p.out_batch_stride + (r / p.heads_per_head_k) * p.out_seq_stride + head_q * p.out_head_stride;
-}
-__device__ __forceinline__ int64_t lse_index(const DecodeParams& p, int batch, int idx) {
-  const int r = idx % p.q_rows_per_head_k;
-  const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
-  return (int64_t(batch) * p.num_heads_q + head_q) * p.seqlen_q + r / p.heads_per_head_k;
-}
-
 // ---------------------------------------------------------------- rows kernel
 // Grid: (ceil(num_heads_k * q_rows_per_head_k / 4), batch); block: 128
 // threads = 4 warps, one warp per (KV head, query row). A warp reads the
@@ -136,12 +123,24 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) combine_rows_kernel(const
 // phase, phase + 4, ...; the phases' sums meet in shared memory.
 
 constexpr int kColumnSlots = config::kHeadDimV / 4;  // float4 columns of a row: 128
-constexpr int kPhases = 4;
-constexpr int kDeepThreads = kColumnSlots * kPhases;  // 512
-constexpr int kLoadsInFlight = 8;                     // splits a thread loads before it adds them up
-constexpr int kWeightTile = 256;                      // splits whose weights sit in shared memory at once
-constexpr int kLsePerLane = kWeightTile / 32;         // split lse a lane of warp 0 keeps in registers
-constexpr int kListed = 2048;                         // split sequences a CTA lists in shared memory
+constexpr int kWeightTile = 256;                     // splits whose weights sit in shared memory at once
+constexpr int kLsePerLane = kWeightTile / 32;        // split lse a lane of a row's warp keeps in registers
+constexpr int kScanThreads = 256;                    // threads of the 512 that scan num_splits
+constexpr int kListed = 2048;                        // split sequences a CTA lists in shared memory
+
+// The deep kernel's shape: a CTA takes kRows query rows of one split
+// sequence (1, its only instantiation); its threads own one float4 column
+// each, and phase p of them the splits p, p + kPhases, ... (kPhases 4).
+template <int kRows, int kPhases>
+struct CombineShape {
+  static constexpr int kRowGroups = 1;  // thread groups that take different rows
+  static constexpr int kThreads = kColumnSlots * kRowGroups * kPhases;
+  static constexpr int kLoadsInFlight = 8;  // splits a thread loads before it adds them up
+  // launch_bounds: 2 CTAs an SM, 64 registers a thread, which hold the 8
+  // loads in flight (at 40, ptxas kept ~2 of them in flight).
+  static constexpr int kCtasPerSm = 2;
+  static_assert(kRows % kRowGroups == 0 && kThreads >= kScanThreads);
+};
 
 // One float4 of a partial row. Volatile, so that the loads of a batch stay
 // ahead of the sums that use them.
@@ -157,17 +156,17 @@ __device__ __forceinline__ float4 load_partial(const float4* src) {
 // (the first kListed of them) and returns how many there are. Every thread of
 // the CTA calls it and gets the same count.
 __device__ int list_split_sequences(const int32_t* num_splits, int batch, int* list) {
-  __shared__ int warp_counts[kDeepThreads / 32];
+  __shared__ int warp_counts[kScanThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int count = 0;
-  for (int base = 0; base < batch; base += kDeepThreads) {
+  for (int base = 0; base < batch; base += kScanThreads) {
     const int b = base + int(threadIdx.x);
-    const bool split = b < batch && num_splits[b + 1] - num_splits[b] >= 2;
+    const bool split = threadIdx.x < kScanThreads && b < batch && num_splits[b + 1] - num_splits[b] >= 2;
     const unsigned ballot = __ballot_sync(0xffffffffu, split);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    if (threadIdx.x < kScanThreads && lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
     int before = count, total = 0;
-    for (int w = 0; w < kDeepThreads / 32; ++w) {
+    for (int w = 0; w < kScanThreads / 32; ++w) {
       before += w < warp ? warp_counts[w] : 0;
       total += warp_counts[w];
     }
@@ -188,39 +187,46 @@ __device__ int split_sequence(const int32_t* num_splits, int batch, const int* l
   return batch - 1;  // not reached: rank < the listed count
 }
 
-// 2 CTAs an SM: 64 registers a thread, which hold the 8 loads in flight
-// (ptxas otherwise kept ~2 of them in flight at 40).
-__global__ void __launch_bounds__(kDeepThreads, 2) combine_deep_kernel(const __grid_constant__ DecodeParams p) {
+template <int kRows, int kPhases>
+__global__ void __launch_bounds__(CombineShape<kRows, kPhases>::kThreads, CombineShape<kRows, kPhases>::kCtasPerSm)
+    combine_deep_kernel(const __grid_constant__ DecodeParams p) {
+  using Shape = CombineShape<kRows, kPhases>;
   __shared__ int list[kListed];
-  __shared__ float weights[kWeightTile];
-  __shared__ float row_lse;
-  __shared__ float4 phase_sums[kPhases - 1][kColumnSlots];
+  __shared__ float weights[kRows][kWeightTile];
+  __shared__ float row_lse[kRows];
+  __shared__ float4 phase_sums[kPhases > 1 ? kPhases - 1 : 1][kColumnSlots];
 
   // num_splits comes from the scheduler, which finished before the decode
   // kernel passed its own griddepcontrol.wait, and every decode CTA passes it
-  // before it lets this grid start (launch_dependents): so the scan may run
-  // under the decode kernel's tail. The partials are read only after the wait.
+  // before it lets this grid start (launch_dependents): so the scan runs
+  // under the decode kernel's tail, and a CTA with nothing to merge leaves
+  // before the decode kernel ends. The partials are read only after the
+  // wait below.
   const int count = list_split_sequences(p.num_splits, p.batch, list);
   const int rows = p.num_heads_k * p.q_rows_per_head_k;
-  const int64_t items = int64_t(count) * rows;  // (split sequence, row), sequence-major
+  const int row_blocks = (rows + kRows - 1) / kRows;
+  const int64_t items = int64_t(count) * row_blocks;  // (split sequence, row block), sequence-major
   if (blockIdx.x >= items) return;
   wait_for_decode_grid();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int slot = threadIdx.x % kColumnSlots, phase = threadIdx.x / kColumnSlots;
+  const int slot = threadIdx.x % kColumnSlots;
+  const int group = threadIdx.x / kColumnSlots;
+  const int row_group = group % Shape::kRowGroups, phase = group / Shape::kRowGroups;
   const int64_t split_stride = rows;  // partial s of row idx: [(split_begin + s) * rows + idx]
 
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int batch = split_sequence(p.num_splits, p.batch, list, int(item / rows));
-    const int idx = int(item % rows);
+    const int batch = split_sequence(p.num_splits, p.batch, list, int(item / row_blocks));
+    const int first_row = int(item % row_blocks) * kRows;
     const int split_begin = p.num_splits[batch];
     const int n = p.num_splits[batch + 1] - split_begin;
-    const float* lse_s = p.lse_accum + int64_t(split_begin) * split_stride + idx;
 
-    // The row's lse, by warp 0: each lane keeps up to kLsePerLane split lse
-    // (lane, lane + 32, ...), from which it also writes the first weight
-    // tile. Splits past kWeightTile are read again where their tile is filled.
-    if (warp == 0) {
+    // Each row's lse, by warp r: each lane keeps up to kLsePerLane of the
+    // row's split lse (lane, lane + 32, ...), from which it also writes the
+    // first weight tile. Splits past that (more than kWeightTile) are read
+    // again where their tile is filled.
+    if (warp < kRows && first_row + warp < rows) {
+      const float* lse_s = p.lse_accum + int64_t(split_begin) * split_stride + first_row + warp;
       float kept[kLsePerLane];
       float m = -INFINITY;
 #pragma unroll
@@ -244,69 +250,95 @@ __global__ void __launch_bounds__(kDeepThreads, 2) combine_deep_kernel(const __g
       const float lse = sum > 0.f ? m + logf(sum) : INFINITY;
 #pragma unroll
       for (int i = 0; i < kLsePerLane; ++i) {
-        if (lane + 32 * i < n) weights[lane + 32 * i] = expf(kept[i] - lse);
+        if (lane + 32 * i < n) weights[warp][lane + 32 * i] = expf(kept[i] - lse);
       }
       if (lane == 0) {
-        row_lse = lse;
-        p.lse[lse_index(p, batch, idx)] = lse;
+        row_lse[warp] = lse;
+        const int idx = first_row + warp, r = idx % p.q_rows_per_head_k;
+        const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
+        p.lse[(int64_t(batch) * p.num_heads_q + head_q) * p.seqlen_q + r / p.heads_per_head_k] = lse;
       }
     }
 
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 acc[kRows / Shape::kRowGroups];
+    for (float4& a : acc) a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int tile = 0; tile < n; tile += kWeightTile) {
       const int tile_n = min(n - tile, kWeightTile);
       __syncthreads();  // the first tile's weights and row_lse written; a later tile: the last one's weights read
       if (tile > 0) {
-        for (int s = threadIdx.x; s < tile_n; s += kDeepThreads)
-          weights[s] = expf(lse_s[(tile + s) * split_stride] - row_lse);
+        for (int i = threadIdx.x; i < kRows * tile_n; i += Shape::kThreads) {
+          const int r = i / tile_n, s = i % tile_n;
+          if (first_row + r < rows) {
+            weights[r][s] = expf(p.lse_accum[int64_t(split_begin + tile + s) * split_stride + first_row + r] -
+                                 row_lse[r]);
+          }
+        }
         __syncthreads();
       }
-      const float4* o_s =
-          reinterpret_cast<const float4*>(p.o_accum + (int64_t(split_begin + tile) * split_stride + idx) *
-                                                          config::kHeadDimV) +
-          slot;
-      for (int s0 = phase; s0 < tile_n; s0 += kLoadsInFlight * kPhases) {
-        float w[kLoadsInFlight];
-        float4 v[kLoadsInFlight];
-        // All loads first (past the tile's end they re-read its last split),
-        // then the sums.
 #pragma unroll
-        for (int j = 0; j < kLoadsInFlight; ++j) {
-          const int s = min(s0 + j * kPhases, tile_n - 1);
-          w[j] = s0 + j * kPhases < tile_n ? weights[s] : 0.f;
-          v[j] = load_partial(o_s + s * split_stride * kColumnSlots);
-        }
+      for (int k = 0; k < kRows / Shape::kRowGroups; ++k) {
+        const int r = row_group + k * Shape::kRowGroups;
+        if (first_row + r >= rows) continue;
+        const float4* o_s = reinterpret_cast<const float4*>(
+                                p.o_accum + (int64_t(split_begin + tile) * split_stride + first_row + r) *
+                                                config::kHeadDimV) +
+                            slot;
+        for (int s0 = phase; s0 < tile_n; s0 += Shape::kLoadsInFlight * kPhases) {
+          float w[Shape::kLoadsInFlight];
+          float4 v[Shape::kLoadsInFlight];
+          // All loads first (past the tile's end they re-read its last
+          // split), then the sums.
 #pragma unroll
-        for (int j = 0; j < kLoadsInFlight; ++j) {
-          // A zero weight (a split where the row saw no key) is skipped, not
-          // multiplied: that partial row may never have been written.
-          if (w[j] != 0.f) {
-            acc.x += w[j] * v[j].x;
-            acc.y += w[j] * v[j].y;
-            acc.z += w[j] * v[j].z;
-            acc.w += w[j] * v[j].w;
+          for (int j = 0; j < Shape::kLoadsInFlight; ++j) {
+            const int s = min(s0 + j * kPhases, tile_n - 1);
+            w[j] = s0 + j * kPhases < tile_n ? weights[r][s] : 0.f;
+            v[j] = load_partial(o_s + int64_t(s) * split_stride * kColumnSlots);
+          }
+#pragma unroll
+          for (int j = 0; j < Shape::kLoadsInFlight; ++j) {
+            // A zero weight (a split where the row saw no key) is skipped, not
+            // multiplied: that partial row may never have been written.
+            if (w[j] != 0.f) {
+              acc[k].x += w[j] * v[j].x;
+              acc[k].y += w[j] * v[j].y;
+              acc[k].z += w[j] * v[j].z;
+              acc[k].w += w[j] * v[j].w;
+            }
           }
         }
       }
     }
 
-    if (phase > 0) phase_sums[phase - 1][slot] = acc;
-    __syncthreads();
+    if constexpr (kPhases > 1) {
+      if (phase > 0) phase_sums[phase - 1][slot] = acc[0];
+      __syncthreads();
+      if (phase == 0) {
+#pragma unroll
+        for (int ph = 0; ph < kPhases - 1; ++ph) {
+          const float4 x = phase_sums[ph][slot];
+          acc[0].x += x.x;
+          acc[0].y += x.y;
+          acc[0].z += x.z;
+          acc[0].w += x.w;
+        }
+      }
+    }
     if (phase == 0) {
 #pragma unroll
-      for (int ph = 0; ph < kPhases - 1; ++ph) {
-        const float4 x = phase_sums[ph][slot];
-        acc.x += x.x;
-        acc.y += x.y;
-        acc.z += x.z;
-        acc.w += x.w;
+      for (int k = 0; k < kRows / Shape::kRowGroups; ++k) {
+        const int idx = first_row + row_group + k * Shape::kRowGroups;
+        if (idx >= rows) continue;
+        const int r = idx % p.q_rows_per_head_k;
+        const int head_q = (idx / p.q_rows_per_head_k) * p.heads_per_head_k + r % p.heads_per_head_k;
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + batch * p.out_batch_stride +
+                             (r / p.heads_per_head_k) * p.out_seq_stride + head_q * p.out_head_stride;
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[k].x, acc[k].y);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[k].z, acc[k].w);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(out + 4 * slot) = packed;
       }
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-      uint2 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + out_offset(p, batch, idx);
-      *reinterpret_cast<uint2*>(out + 4 * slot) = packed;
     }
     __syncthreads();  // row_lse, weights and phase_sums are reused by the next item
   }
@@ -325,9 +357,10 @@ void run_combine(const DecodeParams& params) {
   // to it at b 16-128 (docs/PERF.md).
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
   if (split_sequences * 8 <= params.num_sm_parts) {
+    using Deep = CombineShape<1, 4>;
     const int64_t items = int64_t(split_sequences) * rows;
-    launch_with_pdl(combine_deep_kernel, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))), dim3(kDeepThreads), 0,
-                    params.stream, "combine", params);
+    launch_with_pdl(combine_deep_kernel<1, 4>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))), dim3(Deep::kThreads),
+                    0, params.stream, "combine", params);
   } else {
     launch_with_pdl(combine_rows_kernel, dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch),
                     dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
