@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck python3 tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck --kernel-name kns=splitkv_mla_kernel python3 tests/gpu_sanitize.py
-    compute-sanitizer --tool racecheck --kernel-name kns=combine_kernel python3 tests/gpu_sanitize.py
+    compute-sanitizer --tool racecheck --kernel-name kns=combine python3 tests/gpu_sanitize.py
     compute-sanitizer --tool synccheck --kernel-name kns=splitkv_mla_kernel python3 tests/gpu_sanitize.py
 
 (racecheck over the whole JAX program instruments every XLA kernel too and did not finish in 100 s on the H200;
@@ -10,7 +10,8 @@ the kernel-name filter instruments only ours.) scripts/gpu_compare.sh also runs 
 candidate build's smoke run. Small shapes that still reach every code path of the bf16 kernel and
 the combine: a sequence split over several partitions (partials + combine), single-split sequences (direct writes),
 a partial last page with NaN slots behind it (V rows zeroed in shared memory), causal masking, a zero-length
-sequence, two row tiles per KV head (s_q 2 x 36 heads = 72 rows, the second tile padded) and two KV heads.
+sequence, two row tiles per KV head (s_q 2 x 36 heads = 72 rows, the second tile padded) and two KV heads; and
+one sequence cut into ~90 splits, which the combine's deep kernel merges (the other cases take its rows kernel).
 The same decode runs for every built format of FORMATS (fp8_per_tensor: the consumers' V transpose into the
 double-buffered V^T tiles, with the NaN slots of the partial page zeroed there; fp8_ds_mla: the q quantization
 prologue, the per-group scale tiles and the same transpose). Exits non-zero on a wrong or
@@ -47,7 +48,8 @@ def main() -> int:
     if not formats:
         print("gpu_sanitize: no usable decode kernel here; nothing to check")
         return 0
-    return max(check(f, s_q, h_q, h_kv) for f in formats for s_q, h_q, h_kv in SHAPES)
+    return max([check(f, s_q, h_q, h_kv) for f in formats for s_q, h_q, h_kv in SHAPES] +
+               [check(f, 1, 16, 1, seqlens=[6000], num_sms=132) for f in formats])
 
 
 # (s_q, h_q, h_kv): 72 rows per KV head (two row tiles, the second padded; 36 heads a group, which fp8_per_tensor's
@@ -58,14 +60,15 @@ def main() -> int:
 SHAPES = ((2, 72, 2), (2, 8, 1), (1, 32, 1), (1, 128, 2))
 
 
-def check(kv_format: str, s_q: int, h_q: int, h_kv: int) -> int:
+def check(kv_format: str, s_q: int, h_q: int, h_kv: int, seqlens=(1500, 0, 90), num_sms: int = 16) -> int:
     rng = np.random.default_rng(0)
-    inp = make_decode_inputs(rng, b=3, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=np.array([1500, 0, 90], np.int32),
-                             kv_format=kv_format)
+    inp = make_decode_inputs(rng, b=len(seqlens), s_q=s_q, h_q=h_q, h_kv=h_kv,
+                             seqlens=np.array(seqlens, np.int32), kv_format=kv_format)
     args, kwargs = inp.kernel_args()
     # num_sms=16 -> 4 to 16 partitions, so the 1500-token sequence is split and combined (whole sequences would
-    # cost more than the scheduler allows them: docs/DESIGN.md "Split-KV scheduling").
-    meta = fm.get_mla_metadata(args[3], s_q * h_q // h_kv, h_kv, num_sms=16)
+    # cost more than the scheduler allows them: docs/DESIGN.md "Split-KV scheduling"). One sequence over 132
+    # partitions has more splits than 8 a partition's share of the batch: the deep combine kernel.
+    meta = fm.get_mla_metadata(args[3], s_q * h_q // h_kv, h_kv, num_sms=num_sms)
     out, lse = fm.flash_mla_with_kvcache(*args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=True,
                                          implementation="kernel", **kwargs)
     ref_out, ref_lse = fm.flash_mla_with_kvcache(*args, softmax_scale=SOFTMAX_SCALE, causal=True,
@@ -77,7 +80,7 @@ def check(kv_format: str, s_q: int, h_q: int, h_kv: int) -> int:
     rel = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
     max_abs, max_rel = FORMATS[kv_format]
     ok = ok and (max_abs is None or err < max_abs) and (max_rel is None or rel < max_rel)
-    print(f"gpu_sanitize [{kv_format}, s_q {s_q}, h_q {h_q}, h_kv {h_kv}]: "
+    print(f"gpu_sanitize [{kv_format}, s_q {s_q}, h_q {h_q}, h_kv {h_kv}, lengths {list(seqlens)}]: "
           f"splits={np.asarray(meta.num_splits).tolist()} max|out-ref|={err:.3e} "
           f"rel-L2={rel:.3e} ok={ok}")
     return 0 if ok else 1
