@@ -352,15 +352,16 @@ void run_combine(const DecodeParams& params) {
   // A split sequence spans at least two partitions, so at most num_sm_parts
   // sequences have two splits or more, and they average num_sm_parts /
   // min(batch, num_sm_parts) splits or more. The deep kernel once that is 8
-  // or more (a phase's first batch of loads full): measured on an H100 in
-  // session 48, it beat the rows kernel at b 1-8 and lost 1-2 % of the decode
-  // to it at b 16-128 (docs/PERF.md).
+  // or more, a phase's first batch of loads (session 48, H100: b 1-2 decodes
+  // at 0.76-0.97x FlashMLA's time, 1.5-1.7x with the rows kernel). Below
+  // that, the rows kernel: CTAs of 4 rows each, built like the deep ones,
+  // were 1-3 µs slower than it at b 16-128 (docs/PERF.md).
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
   if (split_sequences * 8 <= params.num_sm_parts) {
     using Deep = CombineShape<1, 4>;
     const int64_t items = int64_t(split_sequences) * rows;
-    launch_with_pdl(combine_deep_kernel<1, 4>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))), dim3(Deep::kThreads),
-                    0, params.stream, "combine", params);
+    launch_with_pdl(combine_deep_kernel<1, 4>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))),
+                    dim3(Deep::kThreads), 0, params.stream, "combine", params);
   } else {
     launch_with_pdl(combine_rows_kernel, dim3((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, params.batch),
                     dim3(kWarpsPerBlock * 32), 0, params.stream, "combine", params);
