@@ -501,14 +501,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
-    // bf16, the CTA's last chunk: nothing will land in the K slots again, and
-    // both WGs' reads of them retired before kSumReady, so WG w stages its
-    // rows in slot w and writes them out whole (epilogue.cuh).
-    char* stage = nullptr;
-    if constexpr (!Tr::kVNeedsTranspose) {
-      if (b == meta.end_batch) stage = reinterpret_cast<char*>(plan.k[wg]);
-    }
-    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale, stage);
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }
 }

@@ -411,7 +411,7 @@ struct SplitKvMlaKernel {
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
                                   int tid, const OnlineSoftmaxState& softmax, FragO& tOrO, const CoordO& tOcO,
-                                  const int (&rows)[2], float scale, float out_scale, char* stage = nullptr);
+                                  const int (&rows)[2], float scale, float out_scale);
 
   __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
     const DecodeParams& p = args.params;
