@@ -131,6 +131,10 @@ constexpr int kListed = 2048;                        // split sequences a CTA li
 // The deep kernel's shape: a CTA takes kRows query rows of one split
 // sequence (1, its only instantiation); its threads own one float4 column
 // each, and phase p of them the splits p, p + kPhases, ... (kPhases 4).
+// The kernel keeps the source of the build that passed its GPU tests (session
+// 48's comb2, where kRows 4 was also instantiated), so that its SASS is that
+// build's (0f330f1f): written for one row only it compiled differently. Fold
+// kRows and kRowGroups away once a GPU run has tested that form.
 template <int kRows, int kPhases>
 struct CombineShape {
   static constexpr int kRowGroups = 1;  // thread groups that take different rows
