@@ -115,9 +115,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
                    ::"l"(dst), "r"(smem_addr(stage + tid * pitch)), "r"(bytes) : "memory");
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      // Done before the CTA exits (the stage must stay until read; the
-      // combine reads the partials once this grid has completed).
-      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+      // The stage must stay until read; the writes themselves complete with
+      // the grid, before the combine's griddepcontrol.wait returns.
+      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     }
   } else {
     // The writes go out as whole 32-byte sectors of a row (bf16) or 64-byte
