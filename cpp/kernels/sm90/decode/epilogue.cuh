@@ -18,38 +18,17 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::share_row_sums(Plan& plan, c
   named_barrier_sync(NamedBarriers::kSumReady, kConsumers);
 }
 
-// Where WG `wg` stages its rows in the CTA's last chunk (epilogue's `stage`):
-// 64 rows at the fp32 pitch, from the K slots on. Past share_row_sums of the
-// last chunk the K slots and the V^T / P tiles behind them are idle: every
-// page has landed and both WGs' WGMMAs that read them have retired, and no
-// further chunk's Q or pages come.
-template <config::KvFormat kFormat, bool kNarrow>
-__device__ char* SplitKvMlaKernel<kFormat, kNarrow>::epilogue_stage(Plan& plan, int wg) {
-  constexpr int kStageBytes = kBlockM * kStagePitchFp32;
-  static_assert(offsetof(Plan, k) + decode_cfg::kNumConsumerWGs * kStageBytes <=
-                    offsetof(Plan, p) + sizeof(Plan::p),
-                "both WGs' stages fit the K slots and the tiles behind them");
-  return reinterpret_cast<char*>(plan.k) + wg * kStageBytes;
-}
-
 // After share_row_sums. A chunk that is its sequence's only split writes out (bf16) and lse
 // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
 // `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
 // multiplies the output, in partials alike.
-//
-// With a `stage` (the CTA's last chunk: epilogue_stage), the WG
-// writes its 64 rows x 256 columns there first and then each row out whole,
-// one cp.async.bulk of 1 KB (partials) or 512 B (out) by thread `row`: full
-// 128-byte lines, where the fragment stores below write 64-byte runs of 8
-// rows a warp instruction. (Session 48: at small batches, where every CTA
-// ends at once, those stores cost the kernel 2-8 µs, knockout nost.)
 template <config::KvFormat kFormat, bool kNarrow>
 template <class FragO, class CoordO>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams& p, Plan& plan, const Chunk& c,
                                                             int head_k, int m_block, int wg, int tid,
                                                             const OnlineSoftmaxState& softmax, FragO& tOrO,
                                                             const CoordO& tOcO, const int (&rows)[2], float scale,
-                                                            float out_scale, char* stage) {
+                                                            float out_scale) {
   using namespace cute;
   const int lane = tid % 32;
   const int split_begin = p.num_splits[c.batch];
@@ -84,80 +63,43 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
       lse_off[h] = accum_row0 + r;
     }
   }
-  if (stage != nullptr) {
-    const int pitch = direct ? kStagePitchBf16 : kStagePitchFp32;
+  // The writes go out as whole 32-byte sectors of a row (bf16) or 64-byte
+  // runs (fp32): a thread holds 2 adjacent columns of a row per 8-column
+  // block b (value 4b + 2h + e of the fragment is row half h, column
+  // 8b + 2 (lane % 4) + e), so lanes q and q ^ 1 of a quad swap one pair of
+  // blocks b, b + 1: even q then holds columns 8b + 2q .. + 3, odd q
+  // 8b + 8 + 2 (q - 1) .. + 3, and the quad covers 16 adjacent columns with
+  // one store each. (Two columns per lane took twice the store
+  // instructions, and left every 32-byte sector of bf16 half written; a
+  // chunk end's writes drain slowly under the other SMs' page stream.)
+  const int col0 = wg * decode_cfg::kHeadDimVPerWG;
+  const bool odd = lane & 1;
+  const int quad_col = odd ? 8 + 2 * ((lane & 3) - 1) : 2 * (lane & 3);
+  constexpr int kBlocks = decltype(size(tOrO))::value / 4;
+  static_assert(kBlocks % 2 == 0, "8-column blocks in pairs");
+  CUTE_UNROLL
+  for (int b = 0; b < kBlocks; b += 2) {
     CUTE_UNROLL
-    for (int v = 0; v < size(tOrO); v += 2) {
-      const int h = (v / 2) % 2;
-      char* at = stage + rows[h] * pitch + int(get<1>(tOcO(v))) * (direct ? 2 : 4);
+    for (int h = 0; h < 2; ++h) {
+      const int v0 = 4 * b + 2 * h, v1 = v0 + 4;  // this row half's values in blocks b, b + 1
+      const int col = col0 + int(get<1>(tOcO(v0))) - 2 * (lane & 3) + quad_col;
       // Select, not multiply: O is stale (never written) in a chunk without pages.
-      const float x0 = seen[h] ? tOrO(v) * inv[h] : 0.f, x1 = seen[h] ? tOrO(v + 1) * inv[h] : 0.f;
+      const float x0 = seen[h] ? tOrO(v0) * inv[h] : 0.f, x1 = seen[h] ? tOrO(v0 + 1) * inv[h] : 0.f;
+      const float y0 = seen[h] ? tOrO(v1) * inv[h] : 0.f, y1 = seen[h] ? tOrO(v1 + 1) * inv[h] : 0.f;
       if (direct) {
-        *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(x0, x1);
+        const __nv_bfloat162 xb = __floats2bfloat162_rn(x0, x1), yb = __floats2bfloat162_rn(y0, y1);
+        const uint32_t x = reinterpret_cast<const uint32_t&>(xb), y = reinterpret_cast<const uint32_t&>(yb);
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? x : y, 1);
+        if (valid[h]) {
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);  // bf16 for every format
+          *reinterpret_cast<uint2*>(out + out_off[h] + col) = odd ? make_uint2(got, y) : make_uint2(x, got);
+        }
       } else {
-        *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
-      }
-    }
-    fence_proxy_async_smem();  // the generic-proxy writes, before the bulk copies read them
-    named_barrier_sync(wg_barrier(NamedBarriers::kStageWritten0, wg), 128);
-    const int r = m_block * kBlockM + tid;
-    if (tid < kBlockM && r < p.q_rows_per_head_k) {
-      const int col0 = wg * decode_cfg::kHeadDimVPerWG;
-      void* dst;
-      if (direct) {
-        const int s = r / p.heads_per_head_k, hq = head_k * p.heads_per_head_k + r % p.heads_per_head_k;
-        dst = static_cast<__nv_bfloat16*>(p.out) + c.batch * p.out_batch_stride + s * p.out_seq_stride +
-              hq * p.out_head_stride + col0;
-      } else {
-        dst = p.o_accum + (accum_row0 + r) * config::kHeadDimV + col0;
-      }
-      const uint32_t bytes = (direct ? 2 : 4) * decode_cfg::kHeadDimVPerWG;
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                   ::"l"(dst), "r"(smem_addr(stage + tid * pitch)), "r"(bytes) : "memory");
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      // The stage must stay until read; the writes themselves complete with
-      // the grid, before the combine's griddepcontrol.wait returns.
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    }
-  } else {
-    // The writes go out as whole 32-byte sectors of a row (bf16) or 64-byte
-    // runs (fp32): a thread holds 2 adjacent columns of a row per 8-column
-    // block b (value 4b + 2h + e of the fragment is row half h, column
-    // 8b + 2 (lane % 4) + e), so lanes q and q ^ 1 of a quad swap one pair of
-    // blocks b, b + 1: even q then holds columns 8b + 2q .. + 3, odd q
-    // 8b + 8 + 2 (q - 1) .. + 3, and the quad covers 16 adjacent columns with
-    // one store each. (Two columns per lane took twice the store
-    // instructions, and left every 32-byte sector of bf16 half written; a
-    // chunk end's writes drain slowly under the other SMs' page stream.)
-    const int col0 = wg * decode_cfg::kHeadDimVPerWG;
-    const bool odd = lane & 1;
-    const int quad_col = odd ? 8 + 2 * ((lane & 3) - 1) : 2 * (lane & 3);
-    constexpr int kBlocks = decltype(size(tOrO))::value / 4;
-    static_assert(kBlocks % 2 == 0, "8-column blocks in pairs");
-    CUTE_UNROLL
-    for (int b = 0; b < kBlocks; b += 2) {
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int v0 = 4 * b + 2 * h, v1 = v0 + 4;  // this row half's values in blocks b, b + 1
-        const int col = col0 + int(get<1>(tOcO(v0))) - 2 * (lane & 3) + quad_col;
-        // Select, not multiply: O is stale (never written) in a chunk without pages.
-        const float x0 = seen[h] ? tOrO(v0) * inv[h] : 0.f, x1 = seen[h] ? tOrO(v0 + 1) * inv[h] : 0.f;
-        const float y0 = seen[h] ? tOrO(v1) * inv[h] : 0.f, y1 = seen[h] ? tOrO(v1 + 1) * inv[h] : 0.f;
-        if (direct) {
-          const __nv_bfloat162 xb = __floats2bfloat162_rn(x0, x1), yb = __floats2bfloat162_rn(y0, y1);
-          const uint32_t x = reinterpret_cast<const uint32_t&>(xb), y = reinterpret_cast<const uint32_t&>(yb);
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? x : y, 1);
-          if (valid[h]) {
-            __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);  // bf16 for every format
-            *reinterpret_cast<uint2*>(out + out_off[h] + col) = odd ? make_uint2(got, y) : make_uint2(x, got);
-          }
-        } else {
-          const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
-          const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
-          if (valid[h]) {
-            *reinterpret_cast<float4*>(p.o_accum + out_off[h] + col) =
-                odd ? make_float4(g0, g1, y0, y1) : make_float4(x0, x1, g0, g1);
-          }
+        const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
+        const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
+        if (valid[h]) {
+          *reinterpret_cast<float4*>(p.o_accum + out_off[h] + col) =
+              odd ? make_float4(g0, g1, y0, y1) : make_float4(x0, x1, g0, g1);
         }
       }
     }

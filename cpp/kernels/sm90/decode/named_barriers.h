@@ -27,12 +27,9 @@ enum class NamedBarriers : int {
   kNarrowMax0 = 7,     // and 8: the WG's warps published this page's column maxima
   kNarrowP0 = 9,       // and 10: the WG's P^T tile is in shared memory
   kExchangeRead = 11,  // both WGs read the chunk-end exchange (epilogue_narrow)
-  // 64-row epilogue staging its rows (epilogue.cuh): kStageWritten0 + wg, the
-  // WG's rows are in its stage (per-WG barriers, 128 threads).
-  kStageWritten0 = 12,  // and 13
 };
 
-// The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0, kStageWritten0).
+// The per-WG barrier `base` + wg of a pair (kNarrowMax0, kNarrowP0).
 __device__ __forceinline__ NamedBarriers wg_barrier(NamedBarriers base, int wg) {
   return NamedBarriers(static_cast<int>(base) + wg);
 }

@@ -144,11 +144,6 @@ struct SplitKvMlaKernel {
   using Element = typename Tr::Element;
   using Plan = typename Tr::SharedMemoryPlan;
   static constexpr int kBlockM = decode_cfg::kBlockM;
-  // Row pitches of the epilogue's stage (epilogue.cuh): a WG's 256 columns of
-  // bf16 out or fp32 partials, padded by 16 / 32 bytes so that a warp's
-  // stores of 8 rows x 4 lanes fall in distinct banks.
-  static constexpr int kStagePitchBf16 = 2 * decode_cfg::kHeadDimVPerWG + 16;
-  static constexpr int kStagePitchFp32 = 4 * decode_cfg::kHeadDimVPerWG + 32;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
   // The 64-row kernel of a format with Traits::kQByTma may take its Q tile
@@ -413,11 +408,10 @@ struct SplitKvMlaKernel {
   // normalized and written as out / lse or as split partials.
   __device__ static void share_row_sums(Plan& plan, const OnlineSoftmaxState& softmax, int wg, int tid,
                                         const int (&rows)[2]);
-  __device__ static char* epilogue_stage(Plan& plan, int wg);
   template <class FragO, class CoordO>
   __device__ static void epilogue(const DecodeParams& p, Plan& plan, const Chunk& c, int head_k, int m_block, int wg,
                                   int tid, const OnlineSoftmaxState& softmax, FragO& tOrO, const CoordO& tOcO,
-                                  const int (&rows)[2], float scale, float out_scale, char* stage = nullptr);
+                                  const int (&rows)[2], float scale, float out_scale);
 
   __device__ static void run(const SplitKvArgs& args, char* smem_raw) {
     const DecodeParams& p = args.params;
