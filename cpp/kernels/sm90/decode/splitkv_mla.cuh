@@ -179,8 +179,6 @@ struct SplitKvMlaKernel {
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k, int m_block) {
     const DecodeParams& p = args.params;
-    // One row tile per KV head: this CTA is a page's only reader (paged_kv_load.h).
-    const uint64_t kv_policy = p.q_rows_per_head_k <= kBlockM ? l2_evict_first() : l2_evict_normal();
     int it = 0;     // pages issued by this CTA, across chunks (ring position)
     int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
     stamp_clocks(args, 0);
@@ -205,8 +203,7 @@ struct SplitKvMlaKernel {
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
           stamp(args, 2, it, event_trace::kLeftIssued);
-          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block,
-                           kv_policy);
+          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block);
         } else {
           // Left part first: the consumers release it first and S starts on it;
           // with kBRightFirst the right part first for a pair's page B.
@@ -216,7 +213,7 @@ struct SplitKvMlaKernel {
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
             load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
-                                  head_k, block, part, kv_policy);
+                                  head_k, block, part);
           }
         }
         if (page == c.first_page()) issue_q();
@@ -246,7 +243,7 @@ struct SplitKvMlaKernel {
     mbarrier_arrive_expect_tx(&plan.q_full, uint32_t(decode_cfg::kSlabs * kSlabBytes));
     for (int slab = 0; slab < decode_cfg::kSlabs; ++slab) {
       tma_load_5d(&args.q_map, &plan.q_full, dst + slab * kSlabBytes, slab * decode_cfg::kTmaBoxChannels,
-                  row0 % heads, head_k, row0 / heads, batch, l2_evict_first());
+                  row0 % heads, head_k, row0 / heads, batch);
     }
   }
 
