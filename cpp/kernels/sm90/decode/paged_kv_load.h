@@ -25,25 +25,62 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// An L2 evict-first hint on the pages of a short chunk whose CTA is their only
+// reader (one row tile per KV head; splitkv_mla.cuh's producer decides): the
+// stream's lines then replace each other rather than the dirty lines that
+// other kernels left in L2 (split partials, a serving step's activations),
+// whose write-back shares DRAM with the stream; FlashMLA marks its K loads so.
+// Measured per call with a dirty L2 (docs/PERF.md sessions 50-51): b 8, h_q
+// 16 -9 to -13 %, b 1-2 -6 to -12 %. On every single-reader page the hint
+// cost ~3 % over a long stream (b 128, s_k 8192: chunks of 124 pages), hence
+// the chunk-length bound; pages that several row tiles' CTAs read would be
+// refetched, so they go without a hint (an explicit evict-normal policy
+// measured slower than none). The chunk's length stands for the partition's:
+// counting a partition's pages first delayed its first load by 1-2 µs.
+inline constexpr int kEvictFirstMaxPages = 16;
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // cp.async.bulk.tensor (PTX ISA "Data Movement: cp.async.bulk.tensor"): the
 // copy signals completion on `bar` with complete_tx of the box's byte count.
 __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
-                                            int c0, int c1, int c2, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
+                                            int c0, int c1, int c2, int c3, bool evict_first = false) {
+  if (evict_first) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(smem_addr(smem_dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "l"(l2_evict_first())
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_addr(smem_dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+  }
 }
 
 // The same through a 5-D map (q's: splitkv_mla.cuh, make_q_tensor_map).
 __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* bar, void* smem_dst,
-                                            int c0, int c1, int c2, int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-      : "memory");
+                                            int c0, int c1, int c2, int c3, int c4, bool evict_first = false) {
+  if (evict_first) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;\n" ::"r"(smem_addr(smem_dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+        "l"(l2_evict_first())
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(smem_addr(smem_dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+  }
 }
 
 // Piece `piece` of a page's left (part 0: slabs 0-3, V channels 0-255) or
@@ -53,15 +90,17 @@ __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, uint64_t* ba
 template <class Traits>
 __device__ __forceinline__ void load_kv_piece(const CUtensorMap* map, const CUtensorMap* slab_map, uint64_t* full_bar,
                                               typename Traits::Element* slot, int head_k, int block, int part,
-                                              int piece) {
+                                              int piece, bool evict_first) {
   constexpr int kSlabElems = config::kPageSize * Traits::kTmaBoxElems;
   constexpr int kSlabBytes = kSlabElems * int(sizeof(typename Traits::Element));
   constexpr int kRope = decode_cfg::kSlabs - 1;
   const int first = part * decode_cfg::kLeftSlabs + piece * Traits::kSlabsPerBox;
   const bool rope = part == 1 && piece == 0;
   mbarrier_arrive_expect_tx(full_bar, uint32_t((Traits::kSlabsPerBox + (rope ? 1 : 0)) * kSlabBytes));
-  tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block);
-  if (rope) tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block);
+  tma_load_5d(slab_map, full_bar, slot + first * kSlabElems, 0, 0, first, head_k, block, evict_first);
+  if (rope) {
+    tma_load_4d(map, full_bar, slot + kRope * kSlabElems, kRope * Traits::kTmaBoxElems, head_k, 0, block, evict_first);
+  }
 }
 
 // A page's part, so the consumers can start S on one part while the other
@@ -70,18 +109,18 @@ __device__ __forceinline__ void load_kv_piece(const CUtensorMap* map, const CUte
 template <class Traits>
 __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const CUtensorMap* slab_map,
                                                   uint64_t* part_full, typename Traits::Element* slot, int head_k,
-                                                  int block, int part) {
+                                                  int block, int part, bool evict_first) {
   static_assert(decode_cfg::kSlabs == 2 * decode_cfg::kLeftSlabs + 1, "two V halves and the RoPE slab");
   static_assert(Traits::kSlabsPerBox * Traits::kPiecesPerPart == decode_cfg::kLeftSlabs,
                 "a V half in kPiecesPerPart boxes of slab_map");
   if constexpr (Traits::kPiecesPerPart == 1) {
-    load_kv_piece<Traits>(map, slab_map, part_full, slot, head_k, block, part, 0);
+    load_kv_piece<Traits>(map, slab_map, part_full, slot, head_k, block, part, 0, evict_first);
   } else {
     // Not unrolled: the producer runs on 24 registers, and the per-stage, per-part and per-piece addresses of an
     // unrolled loop, hoisted out of its page loop, spill.
 #pragma unroll 1
     for (int piece = 0; piece < Traits::kPiecesPerPart; ++piece) {
-      load_kv_piece<Traits>(map, slab_map, &part_full[piece], slot, head_k, block, part, piece);
+      load_kv_piece<Traits>(map, slab_map, &part_full[piece], slot, head_k, block, part, piece, evict_first);
     }
   }
 }
@@ -92,12 +131,13 @@ __device__ __forceinline__ void load_kv_page_part(const CUtensorMap* map, const 
 template <class Traits>
 __device__ __forceinline__ void load_ds_page(const CUtensorMap* cache_map, const CUtensorMap* slab_map,
                                              const CUtensorMap* scale_map, uint64_t* full_bar,
-                                             typename Traits::Element* slot, int head_k, int block) {
+                                             typename Traits::Element* slot, int head_k, int block,
+                                             bool evict_first) {
   static_assert(Traits::kSlabsPerBox == Traits::kNopeSlabs, "the NoPE part in one box");
   mbarrier_arrive_expect_tx(full_bar, Traits::kKTileBytes);
-  tma_load_5d(slab_map, full_bar, slot, 0, 0, 0, head_k, block);
-  tma_load_4d(cache_map, full_bar, slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block);
-  tma_load_4d(scale_map, full_bar, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block);
+  tma_load_5d(slab_map, full_bar, slot, 0, 0, 0, head_k, block, evict_first);
+  tma_load_4d(cache_map, full_bar, slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block, evict_first);
+  tma_load_4d(scale_map, full_bar, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block, evict_first);
 }
 
 }  // namespace jax_flash_mla::sm90

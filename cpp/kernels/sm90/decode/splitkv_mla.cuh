@@ -179,11 +179,14 @@ struct SplitKvMlaKernel {
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k, int m_block) {
     const DecodeParams& p = args.params;
+    // One row tile per KV head: this CTA is a page's only reader (paged_kv_load.h).
+    const bool single_reader = p.q_rows_per_head_k <= kBlockM;
     int it = 0;     // pages issued by this CTA, across chunks (ring position)
     int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
     stamp_clocks(args, 0);
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
+      const bool evict_first = single_reader && c.end_page() - c.first_page() <= kEvictFirstMaxPages;
       // The chunk's Q tile goes out right after its first page (a hand-over's
       // first page is issued while the last chunk still runs), once every
       // consumer warp is done with the last chunk's Q: the load then overlaps
@@ -203,7 +206,8 @@ struct SplitKvMlaKernel {
         if constexpr (Tr::kScaleGroups) {
           mbarrier_wait(&plan.k_empty[stage], phase ^ 1);
           stamp(args, 2, it, event_trace::kLeftIssued);
-          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block);
+          load_ds_page<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full, plan.k[stage], head_k, block,
+                           evict_first);
         } else {
           // Left part first: the consumers release it first and S starts on it;
           // with kBRightFirst the right part first for a pair's page B.
@@ -213,7 +217,7 @@ struct SplitKvMlaKernel {
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
             load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
-                                  head_k, block, part);
+                                  head_k, block, part, evict_first);
           }
         }
         if (page == c.first_page()) issue_q();
