@@ -31,7 +31,7 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
 // other kernels left in L2 (split partials, a serving step's activations),
 // whose write-back shares DRAM with the stream; FlashMLA marks its K loads so.
 // Measured per call with a dirty L2 (docs/PERF.md sessions 50-51): b 8, h_q
-// 16 -9 to -13 %, b 1-2 -6 to -12 %. On every single-reader page the hint
+// 16 -9 to -13 %, b 1-24 -5 to -13 %. On every single-reader page the hint
 // cost ~3 % over a long stream (b 128, s_k 8192: chunks of 124 pages), hence
 // the chunk-length bound; pages that several row tiles' CTAs read would be
 // refetched, so they go without a hint (an explicit evict-normal policy
