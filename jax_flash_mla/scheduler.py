@@ -13,11 +13,10 @@ the partial chunk. The CUDA kernel steps through 32-sequence windows instead. Bo
 exactly while the int32 sum of costs does not overflow (sum(ceil(len / 64) + 5) < 2^31).
 
 Output (`sched_meta` int32[P, 8], one row per partition, the layout of `SchedMeta` in cpp/params.h):
-    [begin_batch, begin_token, end_batch, end_token, begin_split_idx, num_pages, 0, 0]
+    [begin_batch, begin_token, end_batch, end_token, begin_split_idx, 0, 0, 0]
 A partition processes batches begin_batch .. end_batch, from begin_token in the first and up to end_token
-(exclusive) in the last; begin_batch > end_batch marks an empty partition. `num_pages` counts the pages of all its
-chunks (the budget it spent less F a chunk); the decode kernel bounds its L2 evict-first hint with it.
-`num_splits` int32[b + 1] holds the cumulative number of chunks per sequence (num_splits[0] = 0).
+(exclusive) in the last; begin_batch > end_batch marks an empty partition. `num_splits` int32[b + 1] holds the
+cumulative number of chunks per sequence (num_splits[0] = 0).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ ROWS_PER_TILE = 64  # query rows per CTA (config::kRowsPerTile)
 SCHED_META_INTS = 8  # ints per partition (config::kSchedMetaInts)
 
 # Column indices of a sched_meta row.
-BEGIN_BATCH, BEGIN_TOKEN, END_BATCH, END_TOKEN, BEGIN_SPLIT, NUM_PAGES = range(6)
+BEGIN_BATCH, BEGIN_TOKEN, END_BATCH, END_TOKEN, BEGIN_SPLIT = range(5)
 
 
 def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
@@ -114,21 +113,18 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
         limit = cost_prefix[nxt] + remain
         last = jnp.searchsorted(cost_prefix, limit, side="right").astype(jnp.int32) - 1
         last = jnp.where(finish_first, jnp.clip(last, nxt, batch), nxt)
-        whole_cost = cost_prefix[last] - cost_prefix[nxt]
-        remain = remain - whole_cost
+        remain = remain - (cost_prefix[last] - cost_prefix[nxt])
 
         # 3. A partial chunk of the first sequence that did not fit, if the overhead leaves budget.
         take = (last < batch) & (remain > f) & ~whole
         page = jnp.where(finish_first, 0, page0) + jnp.where(take, remain - f, 0)
         split = jnp.where(finish_first, 0, split0) + take.astype(jnp.int32)
-        num_pages = (jnp.where(finish_first, rest, 0) + whole_cost - f * (last - nxt)
-                     + jnp.where(take, remain - f, 0))
 
         prev_len = jnp.where(last > 0, lens[jnp.maximum(last - 1, 0)], 0)
         end_batch = jnp.where(page > 0, last, last - 1)
         end_token = jnp.where(page > 0, page * PAGE_SIZE, prev_len)
         zero = jnp.int32(0)
-        row = jnp.stack([cur, page0 * PAGE_SIZE, end_batch, end_token, split0, num_pages, zero, zero])
+        row = jnp.stack([cur, page0 * PAGE_SIZE, end_batch, end_token, split0, zero, zero, zero])
         partial_batch = jnp.where(take, last, batch)  # sequence that got a partial chunk (batch: none)
         return (last, page, split), (row, partial_batch)
 

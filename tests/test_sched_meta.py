@@ -71,13 +71,11 @@ def spec_walk(lens, parts):
                 cum += split + 1
                 num_splits[batch + 1] = cum
                 remain -= rest + F
-                meta[p, 5] += rest
                 batch += 1
                 page = split = 0
             else:
                 if split_ok and remain > F:
                     page += remain - F
-                    meta[p, 5] += remain - F
                     split += 1
                 break
         if page > 0:
@@ -122,10 +120,10 @@ def window_walk(lens, parts, window=32, chunk=4096):
 
     meta = np.zeros((parts, SCHED_META_INTS), np.int64)
     num_splits = np.zeros(b + 1, np.int64)
-    st = dict(part=0, open=False, begin=None, remain=0, taken=0, batch=0, page=0, split=0, cum=0, last_len=0)
+    st = dict(part=0, open=False, begin=None, remain=0, batch=0, page=0, split=0, cum=0, last_len=0)
 
     def open_part():
-        st.update(open=True, begin=(st["batch"], st["page"] * PAGE_SIZE, st["split"]), remain=payload, taken=0)
+        st.update(open=True, begin=(st["batch"], st["page"] * PAGE_SIZE, st["split"]), remain=payload)
 
     def close_part():
         bb, bt, bs = st["begin"]
@@ -133,7 +131,7 @@ def window_walk(lens, parts, window=32, chunk=4096):
             end = (st["batch"], st["page"] * PAGE_SIZE)
         else:
             end = (st["batch"] - 1, st["last_len"])
-        meta[st["part"], :6] = (bb, bt, end[0], end[1], bs, st["taken"])
+        meta[st["part"], :5] = (bb, bt, end[0], end[1], bs)
         st.update(open=False, part=st["part"] + 1)
 
     for chunk_begin in range(0, b, chunk):
@@ -149,13 +147,11 @@ def window_walk(lens, parts, window=32, chunk=4096):
                 num_splits[seqs[j] + 1] = st["cum"] + st["split"] + j + 1
             if fits:
                 st["remain"] -= int(prefix[fits - 1])
-                st["taken"] += int(prefix[fits - 1]) - fits * F
                 st["last_len"] = lens[seqs[fits - 1]]
                 st.update(cum=st["cum"] + st["split"] + fits, batch=st["batch"] + fits, page=0, split=0)
             if fits < len(seqs):
                 if not whole and st["remain"] > F:
-                    st.update(page=st["page"] + st["remain"] - F, taken=st["taken"] + st["remain"] - F,
-                              split=st["split"] + 1)
+                    st.update(page=st["page"] + st["remain"] - F, split=st["split"] + 1)
                 close_part()
             elif st["batch"] == b:
                 close_part()
@@ -172,7 +168,7 @@ def check_invariants(lens, parts, meta, num_splits):
     meta = np.asarray(meta)
     num_splits = np.asarray(num_splits)
     assert meta.shape == (parts, SCHED_META_INTS) and num_splits.shape == (b + 1,)
-    assert (meta[:, 6:] == 0).all(), "padding must be zero"
+    assert (meta[:, 5:] == 0).all(), "padding must be zero"
     assert num_splits[0] == 0 and (np.diff(num_splits) >= 1).all()
     assert num_splits[b] <= b + parts, "partial buffers hold b + P splits"
 
@@ -183,22 +179,19 @@ def check_invariants(lens, parts, meta, num_splits):
         bb, bt, eb, et, bs = (int(v) for v in meta[p, :5])
         if bb > eb:  # empty partition: only after all the work
             seen_empty = True
-            assert meta[p, 5] == 0, f"empty partition {p} counts {meta[p, 5]} pages"
             continue
         assert not seen_empty, f"partition {p} has work after an empty partition"
         assert 0 <= bb <= eb < b
         assert bt % PAGE_SIZE == 0
         assert bs == len(chunks[bb]), f"partition {p}: begin_split_idx {bs}, but {len(chunks[bb])} earlier chunks"
-        cost = num_pages = 0
+        cost = 0
         for i in range(bb, eb + 1):
             start = bt if i == bb else 0
             stop = et if i == eb else lens[i]
             assert start < stop or (lens[i] == 0 and start == stop == 0), (p, i, start, stop)
             chunks[i].append((p, start, stop))
-            num_pages += _pages(stop) - start // PAGE_SIZE
             cost += _pages(stop) - start // PAGE_SIZE + F
         assert cost <= payload, f"partition {p} costs {cost} > payload {payload}"
-        assert meta[p, 5] == num_pages, f"partition {p} counts {meta[p, 5]} pages, its chunks have {num_pages}"
     for i, got in enumerate(chunks):
         assert got, f"sequence {i} is never scheduled"
         assert got[0][1] == 0 and got[-1][2] == lens[i], (i, got)

@@ -62,7 +62,6 @@ struct WalkState {
   bool open;       // `part` has begun (its begin is recorded below)
   int begin_batch, begin_token, begin_split;
   int remain;      // budget left in `part`, in pages
-  int taken;       // pages of the chunks given to `part`
   int batch;       // first unfinished sequence
   int page;        // pages of `batch` already given to earlier partitions
   int split;       // chunks of `batch` already given to earlier partitions
@@ -76,7 +75,6 @@ __device__ __forceinline__ void open_partition(WalkState& s, int payload) {
   s.begin_token = s.page * kPage;
   s.begin_split = s.split;
   s.remain = payload;
-  s.taken = 0;
 }
 
 // Writes the metadata of the current partition and moves to the next one.
@@ -95,8 +93,7 @@ __device__ __forceinline__ void close_partition(WalkState& s, SchedMeta* meta, i
       m.end_batch = s.batch - 1;
       m.end_token = s.last_len;
     }
-    m.num_pages = s.taken;
-    m.pad[0] = m.pad[1] = 0;
+    m.pad[0] = m.pad[1] = m.pad[2] = 0;
     meta[s.part] = m;
   }
   s.open = false;
@@ -162,9 +159,7 @@ __device__ void walk_chunk(WalkState& s, const int* s_len, int chunk_begin, int 
 
     if (lane < fits) params.num_splits[seq + 1] = s.cum + s.split + lane + 1;
     if (fits > 0) {
-      const int cost = __shfl_sync(kFullMask, prefix, fits - 1);
-      s.remain -= cost;
-      s.taken += cost - fits * kF;
+      s.remain -= __shfl_sync(kFullMask, prefix, fits - 1);
       s.last_len = __shfl_sync(kFullMask, len, fits - 1);
       s.cum += s.split + fits;
       s.batch += fits;
@@ -175,7 +170,6 @@ __device__ void walk_chunk(WalkState& s, const int* s_len, int chunk_begin, int 
       // Sequence s.batch does not fit: take part of it if the overhead leaves any budget.
       if (split_ok && s.remain > kF) {
         s.page += s.remain - kF;
-        s.taken += s.remain - kF;
         ++s.split;
       }
       close_partition(s, params.sched_meta, lane);
