@@ -38,7 +38,6 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
 // measured slower than none). The chunk's length stands for the partition's:
 // counting a partition's pages first delayed its first load by 1-2 µs.
 inline constexpr int kEvictFirstMaxPages = 16;
-inline constexpr int64_t kEvictFirstMaxSharedBytes = int64_t{48} << 20;
 __device__ __forceinline__ uint64_t l2_evict_first() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
