@@ -30,7 +30,7 @@ from jax import lax
 from .formats import PAGE_SIZE
 
 FIXED_OVERHEAD_PAGES = 5  # config::kSchedFixedOverheadPages: per-chunk cost of epilogue / combine
-WHOLE_SEQUENCE_CANDIDATES = FIXED_OVERHEAD_PAGES + 1  # budgets ceil(total / P) + 0 .. F tried whole
+WHOLE_SEQUENCE_CANDIDATES = 2 * FIXED_OVERHEAD_PAGES + 1  # budgets ceil(total / P) + 0 .. 2F tried whole
 ROWS_PER_TILE = 64  # query rows per CTA (config::kRowsPerTile)
 SCHED_META_INTS = 8  # ints per partition (config::kSchedMetaInts)
 

@@ -47,7 +47,7 @@ def spec_budget(lens, parts):
     """docs/DESIGN.md's choice of budget: (payload, whether sequences may be split)."""
     costs = [_pages(int(x)) + F for x in lens]
     lower = -(-sum(costs) // parts)
-    for budget in range(lower, lower + F + 1):
+    for budget in range(lower, lower + 2 * F + 1):
         if fits_whole(costs, parts, budget):
             return budget, False
     return lower + F, True
@@ -96,7 +96,7 @@ def window_walk(lens, parts, window=32, chunk=4096):
     # Whole-sequence candidates, one per warp: each walks the staged windows, opening a partition for the first
     # sequence that does not fit the current one.
     fit_budgets = []
-    for budget in range(lower, lower + F + 1):
+    for budget in range(lower, lower + 2 * F + 1):
         part, remain, batch, is_open = 0, 0, 0, False
         for chunk_begin in range(0, b, chunk):
             chunk_end = min(b, chunk_begin + chunk)
@@ -368,7 +368,7 @@ def test_whole_sequence_budget_is_the_smallest(b, parts):
         if split_ok:
             assert budget == lower + F
             continue
-        assert lower <= budget <= lower + F
+        assert lower <= budget <= lower + 2 * F
         assert fits_whole(costs, parts, budget)
         assert budget == lower or not fits_whole(costs, parts, budget - 1), (budget, lens)
 

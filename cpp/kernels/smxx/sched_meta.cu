@@ -29,7 +29,7 @@ namespace jax_flash_mla {
 namespace {
 
 constexpr int kF = config::kSchedFixedOverheadPages;
-constexpr int kCandidates = kF + 1;  // whole-sequence budgets ceil(total / P) + 0 .. F, one per warp
+constexpr int kCandidates = 2 * kF + 1;  // whole-sequence budgets ceil(total / P) + 0 .. 2F, one per warp
 constexpr int kWarps = kCandidates + 1;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 4096;  // sequence lengths staged in shared memory per pass (16 KiB)
