@@ -33,10 +33,12 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
 // Measured per call with a dirty L2 (docs/PERF.md sessions 50-51): b 8, h_q
 // 16 -9 to -13 %, b 1-24 -5 to -13 %. On every single-reader page the hint
 // cost ~3 % over a long stream (b 128, s_k 8192: chunks of 124 pages), hence
-// the chunk-length bound; pages that several row tiles' CTAs read would be
-// refetched, so they go without a hint (an explicit evict-normal policy
-// measured slower than none). The chunk's length stands for the partition's:
-// counting a partition's pages first delayed its first load by 1-2 µs.
+// the chunk-length bound. Pages that several row tiles' CTAs read go without
+// a hint (an explicit evict-normal policy measured slower than none): there
+// it gained 1-4 % per call only where the whole batch fit in L2, and lost as
+// much where it did not, whatever the partition's length (session 52). The
+// chunk's length stands for the partition's: counting a partition's pages
+// first delayed its first load by 1-2 µs.
 inline constexpr int kEvictFirstMaxPages = 16;
 __device__ __forceinline__ uint64_t l2_evict_first() {
   uint64_t policy;
