@@ -22,7 +22,8 @@ struct SchedMeta {
   int32_t end_batch;
   int32_t end_token;        // exclusive; == cache_seqlens[end_batch] when whole
   int32_t begin_split_idx;  // split index of begin_batch's chunk in this part
-  int32_t pad[3];
+  int32_t total_pages;      // pages of the whole batch (every row): the L2 hint's bound (paged_kv_load.h)
+  int32_t pad[2];
 };
 static_assert(sizeof(SchedMeta) == config::kSchedMetaInts * sizeof(int32_t));
 

@@ -13,9 +13,10 @@ the partial chunk. The CUDA kernel steps through 32-sequence windows instead. Bo
 exactly while the int32 sum of costs does not overflow (sum(ceil(len / 64) + 5) < 2^31).
 
 Output (`sched_meta` int32[P, 8], one row per partition, the layout of `SchedMeta` in cpp/params.h):
-    [begin_batch, begin_token, end_batch, end_token, begin_split_idx, 0, 0, 0]
+    [begin_batch, begin_token, end_batch, end_token, begin_split_idx, total_pages, 0, 0]
 A partition processes batches begin_batch .. end_batch, from begin_token in the first and up to end_token
-(exclusive) in the last; begin_batch > end_batch marks an empty partition. `num_splits` int32[b + 1] holds the
+(exclusive) in the last; begin_batch > end_batch marks an empty partition. `total_pages`, the same in every row, is
+the batch's page count: the decode kernel sizes its L2 evict-first hint with it. `num_splits` int32[b + 1] holds the
 cumulative number of chunks per sequence (num_splits[0] = 0).
 """
 
@@ -35,7 +36,7 @@ ROWS_PER_TILE = 64  # query rows per CTA (config::kRowsPerTile)
 SCHED_META_INTS = 8  # ints per partition (config::kSchedMetaInts)
 
 # Column indices of a sched_meta row.
-BEGIN_BATCH, BEGIN_TOKEN, END_BATCH, END_TOKEN, BEGIN_SPLIT = range(5)
+BEGIN_BATCH, BEGIN_TOKEN, END_BATCH, END_TOKEN, BEGIN_SPLIT, TOTAL_PAGES = range(6)
 
 
 def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int) -> int:
@@ -81,6 +82,7 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
     # cost_prefix[i] = sum of (pages + F) over sequences < i; strictly increasing since every cost >= F.
     cost_prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(pages + f, dtype=jnp.int32)])
     total = cost_prefix[batch]
+    total_pages = total - f * batch  # int32, wrapping as the kernel's unsigned sum does
     lower = lax.div(total, jnp.int32(parts)) + (lax.rem(total, jnp.int32(parts)) != 0).astype(jnp.int32)
 
     def fits_whole(budget):
@@ -124,7 +126,7 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
         end_batch = jnp.where(page > 0, last, last - 1)
         end_token = jnp.where(page > 0, page * PAGE_SIZE, prev_len)
         zero = jnp.int32(0)
-        row = jnp.stack([cur, page0 * PAGE_SIZE, end_batch, end_token, split0, zero, zero, zero])
+        row = jnp.stack([cur, page0 * PAGE_SIZE, end_batch, end_token, split0, total_pages, zero, zero])
         partial_batch = jnp.where(take, last, batch)  # sequence that got a partial chunk (batch: none)
         return (last, page, split), (row, partial_batch)
 

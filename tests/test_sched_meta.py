@@ -82,6 +82,7 @@ def spec_walk(lens, parts):
             meta[p, 2], meta[p, 3] = batch, page * PAGE_SIZE
         else:
             meta[p, 2], meta[p, 3] = batch - 1, (lens[batch - 1] if batch > 0 else 0)
+        meta[p, 5] = sum(pages)
     return meta, num_splits
 
 
@@ -131,7 +132,7 @@ def window_walk(lens, parts, window=32, chunk=4096):
             end = (st["batch"], st["page"] * PAGE_SIZE)
         else:
             end = (st["batch"] - 1, st["last_len"])
-        meta[st["part"], :5] = (bb, bt, end[0], end[1], bs)
+        meta[st["part"], :6] = (bb, bt, end[0], end[1], bs, total - F * b)
         st.update(open=False, part=st["part"] + 1)
 
     for chunk_begin in range(0, b, chunk):
@@ -168,7 +169,8 @@ def check_invariants(lens, parts, meta, num_splits):
     meta = np.asarray(meta)
     num_splits = np.asarray(num_splits)
     assert meta.shape == (parts, SCHED_META_INTS) and num_splits.shape == (b + 1,)
-    assert (meta[:, 5:] == 0).all(), "padding must be zero"
+    assert (meta[:, 5] == sum(_pages(x) for x in lens)).all(), "every row holds the batch's page count"
+    assert (meta[:, 6:] == 0).all(), "padding must be zero"
     assert num_splits[0] == 0 and (np.diff(num_splits) >= 1).all()
     assert num_splits[b] <= b + parts, "partial buffers hold b + P splits"
 

@@ -67,6 +67,7 @@ struct WalkState {
   int split;       // chunks of `batch` already given to earlier partitions
   int cum;         // splits of all finished sequences (num_splits[batch])
   int last_len;    // length of sequence batch - 1 (0 while batch == 0)
+  int total_pages; // pages of the whole batch, written in every partition's row
 };
 
 __device__ __forceinline__ void open_partition(WalkState& s, int payload) {
@@ -93,7 +94,8 @@ __device__ __forceinline__ void close_partition(WalkState& s, SchedMeta* meta, i
       m.end_batch = s.batch - 1;
       m.end_token = s.last_len;
     }
-    m.pad[0] = m.pad[1] = m.pad[2] = 0;
+    m.total_pages = s.total_pages;
+    m.pad[0] = m.pad[1] = 0;
     meta[s.part] = m;
   }
   s.open = false;
@@ -238,6 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams
   WalkState s{};
   s.part = 0;
   s.open = false;
+  s.total_pages = static_cast<int>(total_u - static_cast<unsigned>(kF) * static_cast<unsigned>(batch));
   if (threadIdx.x == 0) params.num_splits[0] = 0;
 
   for (int chunk_begin = 0; chunk_begin < batch; chunk_begin += kChunk) {

@@ -25,21 +25,25 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// An L2 evict-first hint on the pages of a short chunk whose CTA is their only
-// reader (one row tile per KV head; splitkv_mla.cuh's producer decides): the
-// stream's lines then replace each other rather than the dirty lines that
-// other kernels left in L2 (split partials, a serving step's activations),
-// whose write-back shares DRAM with the stream; FlashMLA marks its K loads so.
-// Measured per call with a dirty L2 (docs/PERF.md sessions 50-51): b 8, h_q
-// 16 -9 to -13 %, b 1-24 -5 to -13 %. On every single-reader page the hint
-// cost ~3 % over a long stream (b 128, s_k 8192: chunks of 124 pages), hence
-// the chunk-length bound. Pages that several row tiles' CTAs read go without
-// a hint (an explicit evict-normal policy measured slower than none): there
-// it gained 1-4 % per call only where the whole batch fit in L2, and lost as
-// much where it did not, whatever the partition's length (session 52). The
-// chunk's length stands for the partition's: counting a partition's pages
-// first delayed its first load by 1-2 µs.
+// An L2 evict-first hint on the streamed pages (splitkv_mla.cuh's producer
+// decides per chunk): the stream's lines then replace each other rather than
+// the dirty lines that other kernels left in L2 (split partials, a serving
+// step's activations), whose write-back shares DRAM with the stream; FlashMLA
+// marks its K loads so. Two cases, measured per call with a dirty L2
+// (docs/PERF.md sessions 50-53):
+// - A CTA that is its pages' only reader (one row tile per KV head) hints a
+//   chunk of at most kEvictFirstMaxPages: b 8, h_q 16 -9 to -13 %, b 1-24 -5 to
+//   -13 %; hinting every chunk cost ~3 % over long streams (b 128, s_k 8192:
+//   chunks of 124 pages). The chunk's length stands for the partition's:
+//   counting a partition's pages first delayed its first load by 1-2 µs.
+// - Pages that several row tiles' CTAs read gain from the hint only while the
+//   batch's cache fits in L2 (b 32 s_k 1024 h_q 128 -5 %, FP8 b 4 s_k 16384
+//   -4 to -9 %) and lose 2-4 % beyond it, whatever the partition's length; the
+//   scheduler hands over the batch's page count (SchedMeta::total_pages) to
+//   weigh against kEvictFirstMaxSharedBytes, below the 50 MB L2 of H100/H200.
+//   An explicit evict-normal policy there measured slower than none.
 inline constexpr int kEvictFirstMaxPages = 16;
+inline constexpr int64_t kEvictFirstMaxSharedBytes = int64_t{48} << 20;
 __device__ __forceinline__ uint64_t l2_evict_first() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -179,14 +179,18 @@ struct SplitKvMlaKernel {
   __device__ static void producer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta,
                                   int head_k, int m_block) {
     const DecodeParams& p = args.params;
-    // One row tile per KV head: this CTA is a page's only reader (paged_kv_load.h).
+    // One row tile per KV head: this CTA is a page's only reader, and a short
+    // chunk bounds its stream; with several readers, the batch's pages must fit
+    // in L2 (paged_kv_load.h).
     const bool single_reader = p.q_rows_per_head_k <= kBlockM;
+    const bool batch_fits_l2 = int64_t{meta.total_pages} * p.num_heads_k * config::kPageSize * Tr::kBytesPerToken <=
+                               kEvictFirstMaxSharedBytes;
     int it = 0;     // pages issued by this CTA, across chunks (ring position)
     int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
     stamp_clocks(args, 0);
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
-      const bool evict_first = single_reader && c.end_page() - c.first_page() <= kEvictFirstMaxPages;
+      const bool evict_first = single_reader ? c.end_page() - c.first_page() <= kEvictFirstMaxPages : batch_fits_l2;
       // The chunk's Q tile goes out right after its first page (a hand-over's
       // first page is issued while the last chunk still runs), once every
       // consumer warp is done with the last chunk's Q: the load then overlaps
