@@ -95,7 +95,10 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
         return done == batch
 
     candidates = lower + jnp.arange(WHOLE_SEQUENCE_CANDIDATES, dtype=jnp.int32)
-    fits = jax.vmap(fits_whole)(candidates)
+    # Whole sequences only at a budget of at most 2.5 lower (2 W <= 5 lower, i.e. 2 w <= 3 lower for W = lower + w
+    # with w <= 2F), where they keep at least ~40 % of the partitions busy.
+    busy_enough = 2 * jnp.arange(WHOLE_SEQUENCE_CANDIDATES, dtype=jnp.int32) <= 3 * jnp.minimum(lower, 2 * f)
+    fits = jax.vmap(fits_whole)(candidates) & busy_enough
     whole = fits.any()
     payload = jnp.where(whole, candidates[jnp.argmax(fits)], lower + f)
 

@@ -230,7 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams
   int payload = lower + kF;  // split schedule
   bool split_ok = true;
   for (int w = kCandidates - 1; w >= 0; --w) {
-    if (s_fits[w]) {
+    // Whole sequences only at a budget of at most 2.5 lower (they then keep at
+    // least ~40 % of the partitions busy): 2 (lower + w) <= 5 lower, written
+    // without overflow as w <= 2F.
+    if (s_fits[w] && 2 * w <= 3 * min(lower, 2 * kF)) {
       payload = lower + w;
       split_ok = false;
     }
