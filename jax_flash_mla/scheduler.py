@@ -5,7 +5,8 @@ F = 5; P partitions get a budget of `payload = ceil(total / P) + F` pages each a
 whole ones while they fit and then a partial chunk of the next one if more than F pages of budget are left.
 Whole-sequence mode replaces that when it costs at most F more: the smallest budget W in ceil(total / P) ..
 ceil(total / P) + 2F with which whole sequences alone fit in P partitions becomes the payload, and no sequence is
-split (so no partials and nothing for the combine to merge; e.g. 128 equal sequences over 66 partitions).
+split (so no partials and nothing for the combine to merge; e.g. 128 equal sequences over 66 partitions). W must also
+be at most 2.5 ceil(total / P): a few short sequences, whole, would leave most partitions idle.
 
 The twin here does not step one sequence at a time: per partition it finishes the current (possibly partly taken)
 sequence, then finds how many whole sequences fit with a binary search over the prefix sums of the costs, then takes

@@ -6,8 +6,9 @@
 // one warp; the other warps only reduce the total cost and stage sequence
 // lengths into shared memory, kChunk at a time, so any batch size works with a
 // fixed shared-memory footprint. Before it, warp w tests the whole-sequence
-// budget ceil(total / P) + w (w = 0 .. 2F): the smallest that fits becomes the
-// payload and the walk splits no sequence (DESIGN.md).
+// budget ceil(total / P) + w (w = 0 .. 2F): the smallest that fits, if at most
+// 2.5 ceil(total / P), becomes the payload and the walk splits no sequence
+// (DESIGN.md).
 //
 // Instead of visiting one sequence per step as the pseudocode does, the warp
 // looks at a window of 32 sequences: lane j holds the cost (pages + F) of
