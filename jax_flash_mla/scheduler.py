@@ -33,7 +33,6 @@ from .formats import PAGE_SIZE
 
 FIXED_OVERHEAD_PAGES = 5  # config::kSchedFixedOverheadPages: per-chunk cost of epilogue / combine
 WHOLE_SEQUENCE_CANDIDATES = 2 * FIXED_OVERHEAD_PAGES + 1  # budgets ceil(total / P) + 0 .. 2F tried whole
-SPLIT_MIN_SAVED_PAGES = 3  # kSplitMinSavedPages: a split that leaves most partitions idle must save this much
 ROWS_PER_TILE = 64  # query rows per CTA (config::kRowsPerTile)
 SCHED_META_INTS = 8  # ints per partition (config::kSchedMetaInts)
 
@@ -97,12 +96,10 @@ def sched_meta_reference(cache_seqlens, num_sm_parts: int):
         return done == batch
 
     candidates = lower + jnp.arange(WHOLE_SEQUENCE_CANDIDATES, dtype=jnp.int32)
-    # Whole sequences unless they leave most partitions idle, budget W = lower + w above 2.5 lower (2 w > 3 lower
-    # for w <= 2F), and the split's chunks of at most `lower` pages are SPLIT_MIN_SAVED_PAGES shorter than a whole
-    # sequence of up to W - F.
-    w = jnp.arange(WHOLE_SEQUENCE_CANDIDATES, dtype=jnp.int32)
-    busy_enough = 2 * w <= 3 * jnp.minimum(lower, 2 * f)
-    fits = jax.vmap(fits_whole)(candidates) & (busy_enough | (w - f < SPLIT_MIN_SAVED_PAGES))
+    # Whole sequences only at a budget of at most 2.5 lower (2 W <= 5 lower, i.e. 2 w <= 3 lower for W = lower + w
+    # with w <= 2F), where they keep at least ~40 % of the partitions busy.
+    busy_enough = 2 * jnp.arange(WHOLE_SEQUENCE_CANDIDATES, dtype=jnp.int32) <= 3 * jnp.minimum(lower, 2 * f)
+    fits = jax.vmap(fits_whole)(candidates) & busy_enough
     whole = fits.any()
     payload = jnp.where(whole, candidates[jnp.argmax(fits)], lower + f)
 

@@ -48,9 +48,7 @@ def spec_budget(lens, parts):
     costs = [_pages(int(x)) + F for x in lens]
     lower = -(-sum(costs) // parts)
     for budget in range(lower, lower + 2 * F + 1):
-        # Whole where most partitions stay busy, or where split chunks (<= lower pages) would save under 3 pages.
-        whole_worth_it = 2 * budget <= 5 * lower or (budget - F) - lower < 3
-        if whole_worth_it and fits_whole(costs, parts, budget):
+        if 2 * budget <= 5 * lower and fits_whole(costs, parts, budget):
             return budget, False
     return lower + F, True
 
@@ -117,7 +115,7 @@ def window_walk(lens, parts, window=32, chunk=4096):
                     batch += n
                 if n < len(seqs):
                     is_open, part = False, part + 1
-        fit_budgets.append(batch == b and (2 * budget <= 5 * lower or budget - F - lower < 3))
+        fit_budgets.append(batch == b and 2 * budget <= 5 * lower)
     whole = any(fit_budgets)
     payload = lower + fit_budgets.index(True) if whole else lower + F
 
@@ -362,20 +360,13 @@ def test_whole_sequences_when_they_cost_at_most_f_more():
 def test_short_sequences_split_where_whole_ones_would_leave_most_partitions_idle():
     """32 sequences of 512 tokens over 132 partitions (h_q 16): whole, each would cost 13 pages of budget against
     lower = 4, one sequence on each of 32 CTAs; the budget may be at most 2.5 lower, so the split schedule gives 64
-    partitions 4 pages each. 16 sequences of 256 tokens stay whole, since a split would save only 2 of 4 pages, and
-    64 sequences of 512 tokens (lower 7) stay whole on 64 partitions."""
+    partitions 4 pages each. 64 such sequences (lower 7) stay whole on 64 partitions."""
     lens = np.full(32, 512, np.int32)
     assert spec_budget(lens, 132) == (9, True)
     meta, splits = (np.asarray(x) for x in sched_meta_reference(jnp.asarray(lens), 132))
     np.testing.assert_array_equal(splits, np.arange(0, 65, 2))
     np.testing.assert_array_equal(meta[:64, :5], [[p // 2, (p % 2) * 256, p // 2, 256 * (p % 2 + 1), p % 2]
                                                   for p in range(64)])
-    check_invariants(lens, 132, meta, splits)
-
-    lens = np.full(16, 256, np.int32)  # split chunks of 2 pages would save 2 of 4: whole (budget 9, lower 2)
-    assert spec_budget(lens, 132) == (9, False)
-    meta, splits = (np.asarray(x) for x in sched_meta_reference(jnp.asarray(lens), 132))
-    np.testing.assert_array_equal(splits, np.arange(17))
     check_invariants(lens, 132, meta, splits)
 
     lens = np.full(64, 512, np.int32)
@@ -398,8 +389,7 @@ def test_whole_sequence_budget_is_the_smallest(b, parts):
         if split_ok:
             assert budget == lower + F
             continue
-        assert lower <= budget <= lower + 2 * F
-        assert 2 * budget <= 5 * lower or budget - F - lower < 3
+        assert lower <= budget <= min(lower + 2 * F, 5 * lower // 2)
         assert fits_whole(costs, parts, budget)
         assert budget == lower or not fits_whole(costs, parts, budget - 1), (budget, lens)
 

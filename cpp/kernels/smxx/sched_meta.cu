@@ -32,7 +32,6 @@ namespace {
 constexpr int kF = config::kSchedFixedOverheadPages;
 constexpr int kCandidates = 2 * kF + 1;  // whole-sequence budgets ceil(total / P) + 0 .. 2F, one per warp
 constexpr int kWarps = kCandidates + 1;
-constexpr int kSplitMinSavedPages = 3;  // see the choice of payload below
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 4096;  // sequence lengths staged in shared memory per pass (16 KiB)
 constexpr int kPage = config::kPageSize;
@@ -232,12 +231,10 @@ __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams
   int payload = lower + kF;  // split schedule
   bool split_ok = true;
   for (int w = kCandidates - 1; w >= 0; --w) {
-    // Whole sequences unless they leave most partitions idle, budget above 2.5
-    // lower (2 (lower + w) > 5 lower, written without overflow as w <= 2F),
-    // and the split's chunks of at most lower pages are kSplitMinSavedPages
-    // shorter than a whole sequence of up to lower + w - F.
-    const bool busy_enough = 2 * w <= 3 * min(lower, 2 * kF);
-    if (s_fits[w] && (busy_enough || w - kF < kSplitMinSavedPages)) {
+    // Whole sequences only at a budget of at most 2.5 lower (they then keep at
+    // least ~40 % of the partitions busy): 2 (lower + w) <= 5 lower, written
+    // without overflow as w <= 2F.
+    if (s_fits[w] && 2 * w <= 3 * min(lower, 2 * kF)) {
       payload = lower + w;
       split_ok = false;
     }
