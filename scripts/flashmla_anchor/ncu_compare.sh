@@ -6,6 +6,8 @@
 # the shape's warm-ups), twice: the sections below with their SASS source counters, then the L2 metrics. Prints one
 # table, a row per metric, and leaves under $OUT (default /tmp/flashmla_ncu) each kernel's details and SASS pages as
 # CSV, which scripts/stall_report.py reads. ncu locks the clocks to base, so compare cycles, not times.
+# NCU_CACHE_CONTROL=none keeps L2 between the profiled replays (ncu flushes it by default: `all`), the regime of the
+# sweep's loop figures, where a small batch's cache stays in L2.
 set -uo pipefail
 shape=${1:-C2}
 harness=${2:-.carry_fmla/flashmla_anchor}
@@ -19,7 +21,8 @@ l2+=,lts__lts2xbar_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed,dram
 declare -A kernels=([flashmla]=flash_fwd_splitkv [ours]=13jax_flash_mla4sm9018splitkv)
 status=0
 for side in flashmla ours; do
-  args=(--kernel-name-base mangled -k "regex:${kernels[$side]}" --launch-skip 3 --launch-count 1)
+  args=(--kernel-name-base mangled -k "regex:${kernels[$side]}" --launch-skip 3 --launch-count 1
+    --cache-control "${NCU_CACHE_CONTROL:-all}")
   sec=()
   for s in "${sections[@]}"; do sec+=(--section "$s"); done
   timeout 200 ncu "${args[@]}" "${sec[@]}" -f -o "/tmp/ncu_$side" "$harness" "$shape" 1 > "$OUT/${side}_ncu.log" 2>&1 ||
