@@ -19,6 +19,12 @@
 //     same loops and per call after the same write, which splits the time between the two kernels. At small
 //     shapes the two regimes differ: in a loop the cache (up to ~40 MB) stays in L2 from call to call; per call,
 //     it comes from DRAM, as a serving step's next layer finds it.
+//   FlashMLA's split-KV kernel is launched with programmatic dependent launch allowed, signals its dependents before
+//   its stores and never waits on the kernel before it, so in the split-KV-alone loop each launch starts while the
+//   last one's stores drain; ours waits for the last grid (griddepcontrol.wait), as it must where that grid wrote
+//   its inputs. SPLITKV_LOOP_BARRIER=1 puts an empty kernel (a plain launch) after each split-KV launch of that
+//   loop, for both sides, so neither overlaps the last: the split-KV kernels' times as a serving step sees them,
+//   with something else launched between, plus the empty kernel's.
 // First, a small case (2 sequences, s_q 2, causal, 16 heads) checks both against a float64 reference on the host.
 #include <algorithm>
 #include <cmath>
@@ -37,6 +43,8 @@
 #include "decoders.h"
 
 namespace {
+
+__global__ void empty_kernel() {}
 
 // Standard-normal bf16 values from a counter hash (Box-Muller): the same data on every run.
 __global__ void fill_normal(__nv_bfloat16* x, size_t n, uint32_t seed) {
@@ -250,11 +258,17 @@ void time_pair(const char* shape, Decode* decodes[2], void* flush, size_t flush_
       const int who = (round + j) % 2;
       loop[who].push_back(timed(*decodes[who], 50));
     }
+  const char* barrier_env = std::getenv("SPLITKV_LOOP_BARRIER");
+  const bool barrier = barrier_env && std::string(barrier_env) == "1";
+  const std::function<void(cudaStream_t)> after_splitkv = [barrier](cudaStream_t stream) {
+    if (barrier) empty_kernel<<<1, 32, 0, stream>>>();
+  };
+  Decode splitkv_looped[2] = {{decodes[0]->splitkv, after_splitkv}, {decodes[1]->splitkv, after_splitkv}};
   Decode splitkv_only[2] = {{decodes[0]->splitkv, [](cudaStream_t) {}}, {decodes[1]->splitkv, [](cudaStream_t) {}}};
   for (int round = 0; round < 6; ++round)
     for (int j = 0; j < 2; ++j) {
       const int who = (round + j) % 2;
-      splitkv_loop[who].push_back(timed(splitkv_only[who], 50));
+      splitkv_loop[who].push_back(timed(splitkv_looped[who], 50));
     }
   for (int round = 0; round < 100; ++round)
     for (int j = 0; j < 2; ++j) {
