@@ -232,8 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) sched_meta_kernel(SchedMetaParams
   bool split_ok = true;
   for (int w = kCandidates - 1; w >= 0; --w) {
     // Whole sequences only at a budget of at most 2.5 lower (they then keep at
-    // least ~40 % of the partitions busy): 2 (lower + w) <= 5 lower, written
-    // without overflow as w <= 2F.
+    // least ~40 % of the partitions busy): 2 (lower + w) <= 5 lower, i.e.
+    // 2 w <= 3 lower, with lower capped at 2F (exact for w <= 2F, no overflow).
     if (s_fits[w] && 2 * w <= 3 * min(lower, 2 * kF)) {
       payload = lower + w;
       split_ok = false;

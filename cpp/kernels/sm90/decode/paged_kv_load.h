@@ -37,10 +37,11 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) 
 //   chunks of 124 pages). The chunk's length stands for the partition's:
 //   counting a partition's pages first delayed its first load by 1-2 µs.
 // - Pages that several row tiles' CTAs read gain from the hint only while the
-//   batch's cache fits in L2 (b 32 s_k 1024 h_q 128 -5 %, FP8 b 4 s_k 16384
-//   -4 to -9 %) and lose 2-4 % beyond it, whatever the partition's length; the
-//   scheduler hands over the batch's page count (SchedMeta::total_pages) to
-//   weigh against kEvictFirstMaxSharedBytes, below the 50 MB L2 of H100/H200.
+//   batch's cache fits in L2 (b 32 s_k 1024 h_q 128 -5 %; FP8 b 4 s_k 16384
+//   -4 to -9 % in a loop) and lose 1-4 % beyond it, whatever the partition's
+//   length; the scheduler hands over the batch's page count
+//   (SchedMeta::total_pages) to weigh against kEvictFirstMaxSharedBytes,
+//   below the 50 MB L2 of H100/H200.
 //   An explicit evict-normal policy there measured slower than none.
 inline constexpr int kEvictFirstMaxPages = 16;
 inline constexpr int64_t kEvictFirstMaxSharedBytes = int64_t{48} << 20;
