@@ -288,9 +288,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     it += pair.has_b ? 2 : 1;
     return pair;
   };
-  // This chunk's Q copy went out already: the first before the chunk walk (copy_first_q), the others at the
-  // last chunk's end (copy_next_q).
-  bool q_in_flight = copy_first_q(args, plan, meta, head_k, m_block, ctid);
+  bool q_in_flight = false;  // this chunk's Q copy went out at the last chunk's end (copy_next_q)
   // A plain loop rather than for_each_chunk: a lambda this large is not
   // inlined, and O would then live in local memory.
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
