@@ -361,7 +361,7 @@ void run_combine(const DecodeParams& params) {
   // that, the rows kernel: CTAs of 4 rows each, built like the deep ones,
   // were 1-3 µs slower than it at b 16-128 (docs/PERF.md).
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
-  if (split_sequences * 9 <= params.num_sm_parts) {
+  if (split_sequences * 8 <= params.num_sm_parts) {
     using Deep = CombineShape<1, 4>;
     const int64_t items = int64_t(split_sequences) * rows;
     launch_with_pdl(combine_deep_kernel<1, 4>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))),
