@@ -354,14 +354,19 @@ void run_combine(const DecodeParams& params) {
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   const int rows = params.num_heads_k * params.q_rows_per_head_k;
   // A split sequence spans at least two partitions, so at most num_sm_parts
-  // sequences have two splits or more, and they average num_sm_parts /
-  // min(batch, num_sm_parts) splits or more. The deep kernel once that is 8
-  // or more, a phase's first batch of loads (session 48, H100: b 1-2 decodes
-  // at 0.76-0.97x FlashMLA's time, 1.5-1.7x with the rows kernel). Below
-  // that, the rows kernel: CTAs of 4 rows each, built like the deep ones,
-  // were 1-3 µs slower than it at b 16-128 (docs/PERF.md).
+  // sequences have two splits or more, and they average num_sm_parts / min(batch,
+  // num_sm_parts) splits or more. The deep kernel once that is
+  // kDeepMinAverageSplits or more, else the rows kernel (session 48, H100: b 1-2
+  // decodes at 0.76-0.97x FlashMLA's time, 1.5-1.7x with the rows kernel). At 8
+  // (b 16 of 16 heads, b 8 of 128) the rows kernel is the faster: equal long
+  // sequences get ~8 splits each there, short ones 2, and the deep kernel's CTA
+  // per (sequence, row) does little for its 512 threads (session 54, H200, per
+  // call: b 8 s_k 256 / 4096 h_q 128 -27 / -13.5 %, b 16 s_k 256 h_q 16 -7.5 %,
+  // b 16 s_k 4096 +0.8 %). For many sequences, CTAs of 4 rows each built like the
+  // deep ones were 1-3 µs slower than the rows kernel at b 16-128 (docs/PERF.md).
+  constexpr int kDeepMinAverageSplits = 9;
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
-  if (split_sequences * 8 <= params.num_sm_parts) {
+  if (split_sequences * kDeepMinAverageSplits <= params.num_sm_parts) {
     using Deep = CombineShape<1, 4>;
     const int64_t items = int64_t(split_sequences) * rows;
     launch_with_pdl(combine_deep_kernel<1, 4>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))),
