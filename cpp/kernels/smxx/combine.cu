@@ -364,7 +364,7 @@ void run_combine(const DecodeParams& params) {
   // call: b 8 s_k 256 / 4096 h_q 128 -27 / -13.5 %, b 16 s_k 256 h_q 16 -7.5 %,
   // b 16 s_k 4096 +0.8 %). For many sequences, CTAs of 4 rows each built like the
   // deep ones were 1-3 µs slower than the rows kernel at b 16-128 (docs/PERF.md).
-  constexpr int kDeepMinAverageSplits = 16;
+  constexpr int kDeepMinAverageSplits = 9;
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
   if (split_sequences * kDeepMinAverageSplits <= params.num_sm_parts) {
     using Deep = CombineShape<1, 4>;
