@@ -67,7 +67,7 @@ def check(kv_format: str, s_q: int, h_q: int, h_kv: int, seqlens=(1500, 0, 90), 
     args, kwargs = inp.kernel_args()
     # num_sms=16 -> 4 to 16 partitions, so the 1500-token sequence is split and combined (whole sequences would
     # cost more than the scheduler allows them: docs/DESIGN.md "Split-KV scheduling"). One sequence over 132
-    # partitions (num_sm_parts >= 8 x batch) is merged by the combine's deep kernel.
+    # partitions (num_sm_parts >= 9 x batch) is merged by the combine's deep kernel.
     meta = fm.get_mla_metadata(args[3], s_q * h_q // h_kv, h_kv, num_sms=num_sms)
     out, lse = fm.flash_mla_with_kvcache(*args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=True,
                                          implementation="kernel", **kwargs)
