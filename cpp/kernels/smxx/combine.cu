@@ -364,11 +364,20 @@ void run_combine(const DecodeParams& params) {
   // call: b 8 s_k 256 / 4096 h_q 128 -27 / -13.5 %, b 16 s_k 256 h_q 16 -7.5 %,
   // b 16 s_k 4096 +0.8 %). For many sequences, CTAs of 4 rows each built like the
   // deep ones were 1-3 µs slower than the rows kernel at b 16-128 (docs/PERF.md).
+  // The deep grid (a CTA per split sequence and row, kCtasPerSm of them an SM of
+  // the decode grid) must also give each wave 8 splits a sequence on average:
+  // with 128 heads, 5-7 sequences average 9-13 splits over 3-4 waves, and the
+  // rows kernel was the faster there (session 57, H100, per call: b 5-7 s_k
+  // 8192 / 16384 -1 to -8.5 %; at 16 heads, one wave, the deep one stays).
   constexpr int kDeepMinAverageSplits = 9;
+  constexpr int kDeepMinSplitsPerWave = 8;
+  using Deep = CombineShape<1, 4>;
   const int split_sequences = std::max(std::min(params.batch, params.num_sm_parts), 1);
-  if (split_sequences * kDeepMinAverageSplits <= params.num_sm_parts) {
-    using Deep = CombineShape<1, 4>;
-    const int64_t items = int64_t(split_sequences) * rows;
+  const int64_t items = int64_t(split_sequences) * rows;
+  const int64_t resident = int64_t(params.num_sm_parts) * params.num_heads_k * params.num_m_blocks * Deep::kCtasPerSm;
+  const int64_t waves = (items + resident - 1) / resident;
+  const int64_t min_average = std::max<int64_t>(kDeepMinAverageSplits, kDeepMinSplitsPerWave * waves);
+  if (split_sequences * min_average <= params.num_sm_parts) {
     launch_with_pdl(combine_deep_kernel<1, 4>, dim3(unsigned(std::min<int64_t>(items, INT32_MAX))),
                     dim3(Deep::kThreads), 0, params.stream, "combine", params);
   } else {
