@@ -106,6 +106,10 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_c
                                    "[num_sm_parts, 8]"));
   const int64_t parts = sched_meta.dimensions()[0];
   if (parts < 1) return ffi::Error::InvalidArgument("jax_flash_mla: sched_meta needs num_sm_parts >= 1 rows");
+  // The decode kernel reads a row as two 16-byte loads (load_sched_meta).
+  if (reinterpret_cast<uintptr_t>(sched_meta.untyped_data()) % 16 != 0) {
+    return ffi::Error::InvalidArgument("jax_flash_mla: sched_meta must be 16-byte aligned");
+  }
   JFM_RETURN_IF_ERROR(check_buffer(num_splits, "num_splits", ffi::DataType::S32, {b + 1}, "[b + 1]"));
   JFM_RETURN_IF_ERROR(ffi_util::check_f32_scalar(descale_q, "descale_q"));
   JFM_RETURN_IF_ERROR(ffi_util::check_f32_scalar(descale_k, "descale_k"));

@@ -101,6 +101,7 @@ struct Chunk {
   int begin_token;  // multiple of the page size, at most end_token rounded up to one
   int end_token;    // exclusive
   int split_idx;    // index among the sequence's splits
+  int first_block;  // block_table[batch][first_page()] when the chunk has a page
 
   // Pages the chunk touches: [first_page, end_page), never past its last one.
   __device__ __forceinline__ int first_page() const { return begin_token / config::kPageSize; }
@@ -128,7 +129,26 @@ __device__ __forceinline__ Chunk make_chunk(const DecodeParams& p, const SchedMe
   const bool last_split = c.split_idx == p.num_splits[b + 1] - p.num_splits[b] - 1;
   c.end_token = b == meta.end_batch && !last_split ? min(meta.end_token, c.seqlen) : c.seqlen;
   c.begin_token = min(b == meta.begin_batch ? meta.begin_token : 0, c.end_page() * config::kPageSize);
+  // Read beside the lengths, not after them: the producer's first TMA of the
+  // chunk then waits for one global load after meta's, not two. The unclamped
+  // first page is first_page() whenever the chunk has a page at all.
+  const int first = b == meta.begin_batch ? meta.begin_token / config::kPageSize : 0;
+  c.first_block = first < p.max_blocks_per_seq ? __ldg(p.block_table + b * p.block_table_batch_stride + first) : 0;
   return c;
+}
+
+// This CTA's partition row, all 32 bytes at once: loaded field by field as
+// each was first used, total_pages (needed only by the producer, after its
+// setmaxnreg) came a global round trip after the others, and the producer's
+// first TMA waited for it. Plain loads: the scheduler kernel wrote the row.
+__device__ __forceinline__ SchedMeta load_sched_meta(const SchedMeta* row) {
+  int4 lo, hi;
+  asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%8];\n\t"
+               "ld.global.v4.s32 {%4, %5, %6, %7}, [%8 + 16];\n"
+               : "=r"(lo.x), "=r"(lo.y), "=r"(lo.z), "=r"(lo.w), "=r"(hi.x), "=r"(hi.y), "=r"(hi.z), "=r"(hi.w)
+               : "l"(row)
+               : "memory");
+  return SchedMeta{lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, {hi.z, hi.w}};
 }
 
 template <class F>
@@ -188,23 +208,28 @@ struct SplitKvMlaKernel {
     int it = 0;     // pages issued by this CTA, across chunks (ring position)
     int chunk = 0;  // chunks begun by this CTA (the Q tile's phase)
     stamp_clocks(args, 0);
+    if constexpr (kQByTmaCapable) {
+      // The partition's first Q tile goes out before the chunk walk reads its
+      // lengths: it needs only the batch.
+      if (args.q_by_tma) load_q_tma(args, plan, meta.begin_batch, head_k, m_block, 0);
+    }
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
       const bool evict_first = single_reader ? c.end_page() - c.first_page() <= kEvictFirstMaxPages : batch_fits_l2;
-      // The chunk's Q tile goes out right after its first page (a hand-over's
-      // first page is issued while the last chunk still runs), once every
-      // consumer warp is done with the last chunk's Q: the load then overlaps
-      // the last chunk's epilogue instead of following it.
+      // A later chunk's Q tile goes out right after its first page (a
+      // hand-over's first page is issued while the last chunk still runs),
+      // once every consumer warp is done with the last chunk's Q: the load
+      // then overlaps the last chunk's epilogue instead of following it.
       auto issue_q = [&] {
         if constexpr (kQByTmaCapable) {
-          if (args.q_by_tma) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
+          if (args.q_by_tma && chunk > 0) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
         }
       };
       if (c.first_page() == c.end_page()) issue_q();
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
-        const int block = table[page];
+        const int block = page == c.first_page() ? c.first_block : table[page];
         // Narrow: the WG that takes the page (alternate pages of the chunk) has its own k_full set.
         auto& full = full_barriers(plan, (page - c.first_page()) % decode_cfg::kNumConsumerWGs)[stage];
         if constexpr (Tr::kScaleGroups) {
@@ -482,7 +507,7 @@ struct SplitKvMlaKernel {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-    const SchedMeta meta = p.sched_meta[blockIdx.x];
+    const SchedMeta meta = load_sched_meta(p.sched_meta + blockIdx.x);
     if (meta.begin_batch > meta.end_batch) return;  // empty partition
 
     if (warp < kConsumers / 32) {
