@@ -386,7 +386,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // token j = token_of(v), at offset token_offset(j) from tok_first), one
       // 16-byte load per token, 0 past the chunk (slots there may hold NaN:
       // those scores are masked by selection after the promotion, and P would
-      // compute 0 * NaN). Used by the promotion, then scaled for P (ksc *= kPNormalizer / N_g).
+      // compute 0 * NaN). Used by the promotion, then (times kPNormalizer / N_g) for P.
       // Token tok_first + o is valid iff o < valid - tok_first: one compare with an immediate a token.
       const int valid_mine = valid - pl.tok_first;
       float ksc[8][kGroups];
@@ -477,18 +477,21 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       // row sums add the unrounded p.
       softmax.template update<Tr::kLazyRescaleLog2>(sc, page_max, p.softmax_scale_log2, o_scale);
 
-      // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens.
+      // P_g = e4m3(p * k_scale[t, g] * kPNormalizer / N_g) for all four groups of this WG's 32 tokens, as f16
+      // pairs: p once, then one HMUL2 a pair and group (store_p_e4m3_h2). The factors (<= kPNormalizer) are
+      // formed in fp32, since N_g alone may lie outside f16's range.
+      static_assert(kNPerWG / 16 == 2, "one stmatrix.x4 a group");
+      uint32_t p_h[8];
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) p_h[i] = pack_half2(sc(2 * i), sc(2 * i + 1));
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
         const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact for a power-of-two N_g, else within 1 ulp
+        uint32_t scale_h[4];
         CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) ksc[j][g] *= f;
-      }
-      CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) {
+        for (int m = 0; m < 4; ++m) scale_h[m] = pack_half2(ksc[2 * m][g] * f, ksc[2 * m + 1][g] * f);
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
-        static_assert(kNPerWG / 16 == 2, "one stmatrix.x4 a group");
-        store_p_e4m3(smem_addr(plan.p[g]) + pl.p_store, sc, [&](int v) { return ksc[token_of(v)][g]; });
+        store_p_e4m3_h2(smem_addr(plan.p[g]) + pl.p_store, p_h, scale_h);
       }
       // Rescale O (no WGMMA reads it now: the last P V retired before this
       // page's S did) by the row-max factor and, per group, N_g old / new;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <utility>
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cute/tensor.hpp>
@@ -31,6 +32,30 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
+}
+
+// Two values as an f16 pair, the first in the low half (one F2FP).
+__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// The product of two f16 pairs (one HMUL2).
+__device__ __forceinline__ uint32_t mul_half2(uint32_t a, uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Two f16 pairs as four e4m3 bytes, lowest address first (two F2FP).
+__device__ __forceinline__ uint32_t pack_e4m3x4_h2(uint32_t lo, uint32_t hi) {
+  uint32_t r;
+  asm("{\n .reg .b16 a, b;\n"
+      " cvt.rn.satfinite.e4m3x2.f16x2 a, %1;\n"
+      " cvt.rn.satfinite.e4m3x2.f16x2 b, %2;\n"
+      " mov.b32 %0, {a, b};\n}\n"
+      : "=r"(r)
+      : "r"(lo), "r"(hi));
+  return r;
 }
 
 // Packs a warp's e4m3 P (rows 16 warp .. 16 warp + 15 of the 64-row tile):
@@ -86,13 +111,27 @@ __device__ __forceinline__ void store_p_e4m3(uint32_t p_tile, int warp, int lane
   }
 }
 
-// The same for two token groups, at `p_row`: the P tile's address plus this
-// lane's p_store_offset (computed once, kept in shared memory by
-// fp8_ds_mla's consumer).
-template <class Frag, class Scale>
-__device__ __forceinline__ void store_p_e4m3(uint32_t p_row, const Frag& s, Scale scale) {
+// fp8_ds_mla's P_g of two token groups at `p_row` (the P tile's address plus
+// this lane's p_store_offset, kept in shared memory by its consumer), from
+// one f16 copy of p: p_h[i] holds the fragment's values 2i and 2i + 1 (two
+// adjacent tokens of one row), scale_h[m] the group's factors of tokens 2m
+// and 2m + 1, which value pairs 2m and 2m + 1 (the two row halves) hold. One
+// HMUL2 and one F2FP a value pair, where fp32 takes two FMUL and one F2FP.
+// Numerics: p rounds to f16 (11 bits) before e4m3 (4 bits); P_g <= 256 is
+// far inside f16's range, and a product small enough to be an f16 subnormal
+// (< 2^-14) is 0 in e4m3 either way (< 2^-10). Stored as store_p_e4m3
+// stores: words[h][k] = values 8k + 2h + {0, 1, 4, 5}.
+__device__ __forceinline__ void store_p_e4m3_h2(uint32_t p_row, const uint32_t (&p_h)[8],
+                                                const uint32_t (&scale_h)[4]) {
   uint32_t words[2][2];
-  pack_p_e4m3<2>(s, scale, words);
+  CUTE_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int i = 4 * k + h;  // value pairs i (column block 2k) and i + 2 (block 2k + 1)
+      words[h][k] = pack_e4m3x4_h2(mul_half2(p_h[i], scale_h[i / 2]), mul_half2(p_h[i + 2], scale_h[(i + 2) / 2]));
+    }
+  }
   store_p_pair(p_row, words, 0);
 }
 
