@@ -349,6 +349,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
     // Running per-group normalizer N_g: the largest k_scale[., g] of the
     // chunk's tokens so far. O_g holds (true O_g) * kPNormalizer / N_g.
     float norm[kGroups] = {0.f, 0.f, 0.f, 0.f};
+    // kPNormalizer / N_g, P's group factor: formed only where some N_g grows (every N_g grows from 0 at the
+    // first page, rarely after it), not per page (ph3, session 59: four MUFU.RCP off the page's chain).
+    float p_factor[kGroups] = {0.f, 0.f, 0.f, 0.f};
 
     const int page_begin = c.first_page();
     const int page_end = c.end_page();
@@ -417,6 +420,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
           const float grown = fmaxf(norm[g], n[g]);
           shrink[g] = norm[g] / grown;
           norm[g] = grown;
+          p_factor[g] = Tr::kPNormalizer * rcp_ftz(grown);  // exact for a power-of-two N_g, else within 1 ulp
         }
       }
 
@@ -486,10 +490,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer_ds(const SplitKvArg
       for (int i = 0; i < 8; ++i) p_h[i] = pack_half2(sc(2 * i), sc(2 * i + 1));
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        const float f = Tr::kPNormalizer * rcp_ftz(norm[g]);  // exact for a power-of-two N_g, else within 1 ulp
         uint32_t scale_h[4];
         CUTE_UNROLL
-        for (int m = 0; m < 4; ++m) scale_h[m] = pack_half2(ksc[2 * m][g] * f, ksc[2 * m + 1][g] * f);
+        for (int m = 0; m < 4; ++m) {
+          scale_h[m] = pack_half2(ksc[2 * m][g] * p_factor[g], ksc[2 * m + 1][g] * p_factor[g]);
+        }
         // This WG's 32 tokens are token groups 2 wg and 2 wg + 1 of the page.
         store_p_e4m3_h2(smem_addr(plan.p[g]) + pl.p_store, p_h, scale_h);
       }
