@@ -21,7 +21,8 @@ from zero after every `wait_group 0`, unconditional jump and exit), and the inst
 steady-state path (the back edge of a loop around the run taken, other branches not) up to the next wait,
 barrier or tensor instruction. A reading aid that says where to look, not a model of the schedule.
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, or PATH (where the CUDA toolkit lacks it, the nvidia-cuda-cuobjdump
-wheel has one).
+wheel has one); its -sass needs nvdisasm, looked up beside it first, then on PATH (the nvidia-cuda-nvdisasm wheel,
+unpacked into the same folder).
 """
 
 from __future__ import annotations
@@ -231,8 +232,14 @@ def header() -> str:
 
 
 def dump(cuobjdump: str, module: str, key: str) -> str:
-    return subprocess.run([cuobjdump, "-sass", "-fun", MANGLED.format(key), module], check=True,
-                          capture_output=True, text=True).stdout
+    # cuobjdump -sass runs nvdisasm from PATH: look beside cuobjdump first (the wheels' bin folders pair them).
+    path = os.pathsep.join([os.path.dirname(os.path.abspath(cuobjdump)), os.environ.get("PATH", "")])
+    env = dict(os.environ, PATH=path)
+    run = subprocess.run([cuobjdump, "-sass", "-fun", MANGLED.format(key), module], capture_output=True, text=True,
+                         env=env)
+    if run.returncode != 0:
+        raise SystemExit(f"sass_loops: {cuobjdump} failed on kernel {key}: {run.stderr.strip()[-400:]}")
+    return run.stdout
 
 
 def main(argv=None) -> int:
