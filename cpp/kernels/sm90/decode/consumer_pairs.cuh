@@ -288,13 +288,12 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     it += pair.has_b ? 2 : 1;
     return pair;
   };
-  bool q_in_flight = false;  // this chunk's Q copy went out at the last chunk's end (copy_next_q)
   // A plain loop rather than for_each_chunk: a lambda this large is not
   // inlined, and O would then live in local memory.
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
-    acquire_q(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch, q_in_flight);
+    acquire_q(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch);
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
@@ -497,7 +496,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release_q(args, plan, lane);
-    q_in_flight = copy_next_q(args, plan, meta, b, head_k, m_block, ctid);
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);

@@ -210,8 +210,9 @@ struct SplitKvMlaKernel {
     stamp_clocks(args, 0);
     if constexpr (kQByTmaCapable) {
       // The partition's first Q tile goes out before the chunk walk reads its
-      // lengths: it needs only the batch.
-      if (args.q_by_tma) load_q_tma(args, plan, meta.begin_batch, head_k, m_block, 0);
+      // lengths: it needs only the batch (kQAfterFirstPage: after the first
+      // page, as every later chunk's).
+      if (args.q_by_tma && !Tr::kQAfterFirstPage) load_q_tma(args, plan, meta.begin_batch, head_k, m_block, 0);
     }
     for_each_chunk(p, meta, [&](const Chunk& c) {
       const int32_t* table = p.block_table + c.batch * p.block_table_batch_stride;
@@ -222,7 +223,9 @@ struct SplitKvMlaKernel {
       // then overlaps the last chunk's epilogue instead of following it.
       auto issue_q = [&] {
         if constexpr (kQByTmaCapable) {
-          if (args.q_by_tma && chunk > 0) load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
+          if (args.q_by_tma && (chunk > 0 || Tr::kQAfterFirstPage)) {
+            load_q_tma(args, plan, c.batch, head_k, m_block, chunk);
+          }
         }
       };
       if (c.first_page() == c.end_page()) issue_q();
@@ -321,12 +324,11 @@ struct SplitKvMlaKernel {
 
   // The chunk's Q tile in shared memory for the consumers: from the
   // producer's TMA (load_q_tma) when kQByTmaCapable and args.q_by_tma, else
-  // copied by them (copy_q_async here, or only its wait when the copy went out
-  // at the last chunk's end, `copy_in_flight`: copy_next_q). After the wait
-  // both WGs meet, as after load_q: the last chunk's epilogue has read the row
-  // sums that this one writes.
+  // copied by them (copy_q_async). After the wait both WGs meet, as after
+  // load_q: the last chunk's epilogue has read the row sums that this one
+  // writes.
   __device__ static void acquire_q(const SplitKvArgs& args, Plan& plan, int batch, int head_k, int m_block,
-                                   int ctid, int chunk, bool copy_in_flight) {
+                                   int ctid, int chunk) {
     if constexpr (kQByTmaCapable) {
       if (args.q_by_tma) {
         mbarrier_wait(&plan.q_full, chunk & 1);
@@ -334,24 +336,8 @@ struct SplitKvMlaKernel {
         return;
       }
     }
-    if (!copy_in_flight) copy_q_async(args.params, plan, batch, head_k, m_block, ctid);
+    copy_q_async(args.params, plan, batch, head_k, m_block, ctid);
     finish_q_copy(plan);
-  }
-  // The next chunk's Q copy, issued at this chunk's end by the formats whose
-  // consumers copy Q themselves (bf16): once this WG's WGMMAs retired, every
-  // S of the chunk in both WGs has (each WG's last S retires before a ready
-  // barrier the other passes before its own end), so this thread's share goes
-  // out and lands under the epilogue's writes, as FlashMLA issues its next Q
-  // before it stores O (experiment qearly2, session 45: C2 ~0.3 % less time
-  // per call against FlashMLA's, H100). Returns whether it did (not after the
-  // partition's last chunk). Formats with a Q TMA path keep their load, and
-  // their rare fallback copies at the chunk's start (acquire_q), as before.
-  __device__ static bool copy_next_q(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int b, int head_k,
-                                     int m_block, int ctid) {
-    if constexpr (kQByTmaCapable) return false;
-    if (b >= meta.end_batch) return false;
-    copy_q_async(args.params, plan, b + 1, head_k, m_block, ctid);
-    return true;
   }
   // After the chunk's last WGMMA: this warp no longer reads what the next
   // chunk's Q TMA overwrites (Q; fp8_ds_mla: the V^T and P tiles).

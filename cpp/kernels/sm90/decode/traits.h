@@ -172,11 +172,23 @@ struct Traits<config::KvFormat::kBf16> {
   // Page B's slot: refilled right part first, and S_B runs on it first (the
   // event trace of session 15: the next S_B waited ~1 us for its page).
   static constexpr bool kBRightFirst = true;
-  // Q by the consumers' cp.async: the producer's TMA of Q (fp8_per_tensor)
-  // made bf16's pair 7 % slower (session 17: its producer paces the pair, and
-  // the consumer's branch between the two loads cost the S descriptors the
-  // uniform datapath).
-  static constexpr bool kQByTma = false;
+  // Each chunk's Q tile by the producer's TMA when the group's rows tile a
+  // box, as fp8_per_tensor's (splitkv_mla.cuh: load_q_tma), the partition's
+  // first tile too only after its first page (kQAfterFirstPage; a guess at
+  // why that is faster: 72 KB of Q ahead of the page in the SM's TMA queue).
+  // Against the consumers' cp.async copy, issued as each chunk's last WGMMA
+  // retired (session 61, FlashMLA harness, H100, two runs; docs/PERF.md): in
+  // the loop 0.6-6 % less time per call at b 4-128 with 128 heads, C1 / M1 the
+  // same, C2 1-1.6 % less; per call, the cache from DRAM, within the runs'
+  // spread.
+  // With the first tile before the first page, as fp8_per_tensor's, C1's loop
+  // ran 1 % slower. (Session 17's trial, 7 % slower, lost the S descriptors'
+  // uniform registers to the run-time branch; today's keep them.)
+  static constexpr bool kQByTma = true;
+  static constexpr bool kQAfterFirstPage = true;
+  using QTmaElement = Element;
+  static constexpr CUtensorMapDataType kQTmaDataType = kTmaDataType;
+  static constexpr CUtensorMapSwizzle kQTmaSwizzle = kTmaSwizzle;
   // No few-rows kernel: a bf16 consumer_narrow (2 K stages) measured 321-324 us
   // on M1 against 324-331 us here (session 8), the page loads bound it either way.
   static constexpr int kNarrowRows = 0;
@@ -204,11 +216,13 @@ struct Traits<config::KvFormat::kBf16> {
     // the part's consumer WG (4 warps) is done with it.
     alignas(8) uint64_t k_full[kNumStages][2 * kPiecesPerPart];
     alignas(8) uint64_t k_empty[kNumStages][2];
+    alignas(8) uint64_t q_full, q_empty;
   };
   // Dynamic shared memory is only guaranteed 16-byte aligned: ask for 1 KB
   // more and round the base up.
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.q); }
 };
 
 // fp8_per_tensor: q and the cache are float8_e4m3fn, 576 bytes per token;
@@ -278,6 +292,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
   // It lands as SmemLayoutQ, ready for the WGMMAs.
   static constexpr bool kQByTma = true;
+  static constexpr bool kQAfterFirstPage = false;
   using QTmaElement = Element;
   static constexpr CUtensorMapDataType kQTmaDataType = kTmaDataType;
   static constexpr CUtensorMapSwizzle kQTmaSwizzle = kTmaSwizzle;
@@ -359,6 +374,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
   static constexpr bool kQByTma = true;
+  static constexpr bool kQAfterFirstPage = false;
   using QTmaElement = cutlass::bfloat16_t;
   static constexpr CUtensorMapDataType kQTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   static constexpr CUtensorMapSwizzle kQTmaSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
