@@ -166,10 +166,10 @@ struct SplitKvMlaKernel {
   static constexpr int kBlockM = decode_cfg::kBlockM;
   static constexpr int kBlockN = decode_cfg::kBlockN;
   static constexpr int kConsumers = decode_cfg::kNumConsumerThreads;
-  // The 64-row kernel of a format with Traits::kQByTma may take its Q tile
-  // (fp8_ds_mla: q before its quantization) from the producer's TMA (the
-  // few-rows kernel reads 16 rows: its own load).
-  static constexpr bool kQByTmaCapable = !kNarrow && Traits<kFormat>::kQByTma;
+  // The 64-row kernel may take its Q tile (fp8_ds_mla: q before its
+  // quantization) from the producer's TMA (the few-rows kernel reads 16 rows:
+  // its own load).
+  static constexpr bool kQByTmaCapable = !kNarrow;
 
   // k_full per stage: one set for both consumer WGs, or in the narrow plan
   // one set per WG (consumer_narrow.cuh: each WG waits on its own pages only).
@@ -672,9 +672,7 @@ void run_splitkv_mla(const DecodeParams& params) {
   memset(&args.q_map, 0, sizeof(args.q_map));
   args.q_by_tma = 0;
   const bool narrow = Tr::kNarrowRows > 0 && params.q_rows_per_head_k <= Tr::kNarrowRows;
-  if constexpr (Tr::kQByTma) {
-    if (!narrow) args.q_by_tma = make_q_tensor_map<kFormat>(params, &args.q_map);
-  }
+  if (!narrow) args.q_by_tma = make_q_tensor_map<kFormat>(params, &args.q_map);
 #ifdef JAX_FLASH_MLA_EVENT_TRACE
   args.event_trace = event_trace::device_buffer();
 #endif

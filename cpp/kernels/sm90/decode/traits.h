@@ -184,7 +184,6 @@ struct Traits<config::KvFormat::kBf16> {
   // With the first tile before the first page, as fp8_per_tensor's, C1's loop
   // ran 1 % slower. (Session 17's trial, 7 % slower, lost the S descriptors'
   // uniform registers to the run-time branch; today's keep them.)
-  static constexpr bool kQByTma = true;
   static constexpr bool kQAfterFirstPage = true;
   using QTmaElement = Element;
   static constexpr CUtensorMapDataType kQTmaDataType = kTmaDataType;
@@ -291,7 +290,6 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   // box (splitkv_mla.cuh: load_q_tma): the load overlaps the last chunk's
   // epilogue instead of following it (session 17: 2.5 -> 0.14 us a hand-over).
   // It lands as SmemLayoutQ, ready for the WGMMAs.
-  static constexpr bool kQByTma = true;
   static constexpr bool kQAfterFirstPage = false;
   using QTmaElement = Element;
   static constexpr CUtensorMapDataType kQTmaDataType = kTmaDataType;
@@ -373,7 +371,6 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // q (bf16) by the producer's TMA when the group's rows tile a box, into the
   // V^T / P tiles (idle between a chunk's last P V and the next chunk's first
   // transpose) with the 128-byte swizzle; load_q_ds quantizes it from there.
-  static constexpr bool kQByTma = true;
   static constexpr bool kQAfterFirstPage = false;
   using QTmaElement = cutlass::bfloat16_t;
   static constexpr CUtensorMapDataType kQTmaDataType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
