@@ -1,6 +1,7 @@
 """Emulates candidate numerics of an fp8_ds_mla decode kernel (NumPy + ml_dtypes) and scores them against float64.
 
-Usage: python3 scripts/emulate_ds_mla_numerics.py [--batch 16] [--seqlen 4096] [--heads 64] [--seed 0]  (~40 s)
+Usage: python3 scripts/emulate_ds_mla_numerics.py [--batch 16] [--seqlen 4096] [--heads 64] [--seed 0]
+       [--token-scales]  (~40 s)
 
 Data and truth follow jax_flash_mla/accuracy.py: bf16 q [b, h, 576] and bf16 latent tokens [b, t, 576] of each
 README §4 data set; the truth is float64 attention over those UNQUANTIZED bf16 values (h_kv = 1, s_q = 1). The cache
@@ -36,6 +37,8 @@ e4m3 x e4m3 or bf16 x bf16 products that occur here):
   accumulator over the 16 NoPE k-steps, S = f32(RoPE + f32(q_scale[r] * kmax[t]) * T); P = e4m3(p * kmax[t] *
   256 / N) in one tile, N the running max of kmax over the pages (a power of two); PV = one FP8 accumulator over
   all pages, rescaled in fp32 when the row max or N moves (as A-PV-noprom), times N / 256 at the end.
+* --token-scales: every variant and floor on a cache quantized at one scale per token (its four scales equal,
+  the largest of the package's four), which the format decodes like any other; design S then shifts nothing.
 * B: QK as A; V = e4m3 * k_scale exactly representable in bf16; P = bf16(p); bf16 PV accumulated in float64.
 * C: q bf16, NoPE K dequantized to bf16 (exact); S rounded once to fp32; P bf16; bf16 PV (FlashMLA sparse-like).
 * out = bf16(f32(O / l)) for the kernel variants; lse = f32(log l + m).
@@ -95,8 +98,12 @@ def pow2_ceil(x):
 
 
 # ----------------------------------------------------------------------------------------------- data
-def make_data(dataset, batch, seqlen, heads, seed):
-    """(q bf16-valued float64 [b,h,576], tokens float64 [b,t,576], ke [b,t,512], ks [b,t,4], rope [b,t,64])."""
+def make_data(dataset, batch, seqlen, heads, seed, token_scales=False):
+    """(q bf16-valued float64 [b,h,576], tokens float64 [b,t,576], ke [b,t,512], ks [b,t,4], rope [b,t,64]).
+
+    token_scales: the NoPE bytes quantized again at one scale per token, the largest of its four (a cache the format
+    still decodes: its four scales are then equal), e4m3(x / kmax) rounded to nearest as the package's quantizer does.
+    """
     import jax.numpy as jnp
 
     from jax_flash_mla.accuracy import make_dataset
@@ -108,6 +115,9 @@ def make_data(dataset, batch, seqlen, heads, seed):
     ke = raw[..., :512].view(E4M3).astype(np.float64)  # e4m3 values (unscaled)
     ks = np.ascontiguousarray(raw[..., 512:528]).view("<f4").astype(np.float64)  # [b, t, 4]
     rope = (np.ascontiguousarray(raw[..., 528:656]).view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if token_scales:
+        ks = np.repeat(ks.max(axis=-1, keepdims=True), NG, axis=-1)
+        ke = e4m3(np.asarray(tokens, np.float64)[..., :D_V] / np.repeat(ks, GROUP, axis=-1))
     return q.astype(np.float64), tokens.astype(np.float64), ke, ks, rope.astype(np.float64)
 
 
@@ -320,11 +330,11 @@ def floor(name, q, kdeq):
     return attention_f64(qd, kdeq, None if name == "Fq" else e4m3)
 
 
-def evaluate(batch, seqlen, heads, seed):
+def evaluate(batch, seqlen, heads, seed, token_scales=False):
     rows = []
     for dataset in DATASETS:
         t0 = time.time()
-        q, tokens, ke, ks, rope = make_data(dataset, batch, seqlen, heads, seed)
+        q, tokens, ke, ks, rope = make_data(dataset, batch, seqlen, heads, seed, token_scales)
         # sum |Δ|², sum |ref|², max |Δlse|, sum |out - out(A-exact-acc)|²
         err = {n: [0.0, 0.0, 0.0, 0.0] for n in FLOORS + VARIANTS}
         for i in range(batch):
@@ -359,13 +369,17 @@ def main(argv=None):
     ap.add_argument("--p-norm", type=float, default=P_NORM,
                     help="largest P_g after the per-group normalizer (default 256; smaller values leave headroom "
                          "for a lazy rescale that lets p exceed 1 by 256 / P_NORM)")
+    ap.add_argument("--token-scales", action="store_true",
+                    help="quantize the cache with one scale per token (the largest of its four groups'), which the "
+                         "format decodes as four equal scales: what a writer would give design S without a shift")
     args = ap.parse_args(argv)
     assert args.seqlen % PAGE == 0
     P_NORM = args.p_norm
     t0 = time.time()
-    rows = evaluate(args.batch, args.seqlen, args.heads, args.seed)
+    rows = evaluate(args.batch, args.seqlen, args.heads, args.seed, args.token_scales)
     print(f"fp8_ds_mla decode numerics, emulated: batch {args.batch}, {args.seqlen} tokens, {args.heads} heads, "
-          f"h_kv 1, s_q 1, seed {args.seed}, P_NORM {P_NORM:g}; truth = float64 attention on the bf16 latent")
+          f"h_kv 1, s_q 1, seed {args.seed}, P_NORM {P_NORM:g}"
+          f"{', one scale per token' if args.token_scales else ''}; truth = float64 attention on the bf16 latent")
     print("x floor: rel-L2 / rel-L2 of the floor of the precision the variant computes in; vs A-exact: "
           "|out - out(A-exact-acc)| / |truth| (the accumulator model's own share); * = hypothetical")
     print(f"{'data':<14}{'variant':<14}{'rel-L2':>9}{'max|dlse|':>11}{'x F0':>7}{'floor':>7}{'x floor':>9}"

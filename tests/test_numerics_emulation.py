@@ -55,6 +55,45 @@ def test_floor_f0_equals_jnp_reference():
             np.testing.assert_allclose(lse[i], f0_lse, rtol=0, atol=2e-5 * max(1.0, np.abs(f0_lse).max()))
 
 
+def _encode(ke, ks, rope):
+    """656-byte tokens from e4m3 values, float32 scales and RoPE values (the layout of README §2)."""
+    nope = ke.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scales = ks.astype("<f4").view(np.uint8)
+    r = rope.astype(ml_dtypes.bfloat16).view(np.uint8)
+    return np.concatenate([nope, scales, r], axis=-1)
+
+
+def test_token_scaled_cache_is_a_valid_cache():
+    """--token-scales: the bytes quantized at one scale per token (the largest of the four) are a cache of the format:
+    its four scales are equal, the package decodes it to values * scale, and those stay within e4m3's rounding of the
+    latent (half an ulp: 2^-4 relative for normal values)."""
+    _, tokens, ke, ks, rope = emu.make_data("small_latent", B, T, H, seed=0, token_scales=True)
+    assert np.all(ks == ks[..., :1])
+    cache = jnp.asarray(_encode(ke, ks, rope))
+    got = np.asarray(dequantize_kv_cache(cache, "fp8_ds_mla", dtype=jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, _dequantized(ke, ks, rope))
+    nope, scale = tokens[..., : emu.D_V], np.repeat(ks, emu.GROUP, axis=-1)
+    err = np.abs(got[..., : emu.D_V] - nope)
+    assert np.all(err <= np.maximum(2.0**-4 * np.abs(nope), 2.0**-10 * scale))
+
+
+def test_design_s_on_a_token_scaled_cache_tracks_design_a():
+    """Design S needs no byte shift on a token-scaled cache, and there it is as accurate as design A on the package's
+    cache (per-group scales) within 2 %: with e4m3's exponent range, one scale per token costs a group precision
+    only when it lies ~2^12 below the token's largest."""
+    q, tokens, ke, ks, rope = _data("gaussian")
+    _, _, ket, kst, _ = emu.make_data("gaussian", B, T, H, seed=0, token_scales=True)
+    num = {"A": 0.0, "S": 0.0}
+    den = 0.0
+    for i in range(B):
+        truth, _ = emu.attention_f64(q[i], tokens[i])
+        num["A"] += np.sum((emu.variant("A", q[i], ke[i], ks[i], rope[i], _dequantized(ke[i], ks[i], rope[i]))[0]
+                            - truth) ** 2)
+        num["S"] += np.sum((emu.variant_shift(q[i], ket[i], kst[i], rope[i], "bits")[0] - truth) ** 2)
+        den += np.sum(truth**2)
+    assert np.sqrt(num["S"] / den) <= 1.02 * np.sqrt(num["A"] / den)
+
+
 def test_accumulator_and_format_roundings():
     # acc14: 14 significant bits, toward zero; rn14 to nearest.
     x = np.array([1 + 2**-13, 1 + 2**-14, -(1 + 3 * 2**-15), 3.0])
