@@ -8,12 +8,17 @@ A cached token is the 576-wide latent: 512 NoPE channels (which double as V) and
 * ``fp8_ds_mla``: 656 bytes per token (shared README §2): bytes 0–511 e4m3 NoPE / scale_g, bytes 512–527 four
   little-endian float32 scales (scale g for channels 128g … 128g+127), bytes 528–655 64 bfloat16 RoPE values.
   scale_g = 2^ceil(log2(max(amax_g / 448, 1e-4))), a power of two rounded up, so the division is exact and nothing
-  saturates.
+  saturates. With ``ds_scales="token"`` the four scales of a token are all its largest one, and the NoPE bytes are
+  e4m3(value / that scale): a valid cache of the same format for every reader, as accurate on the accuracy CLI's data
+  sets (docs/NUMERICS.md, "One scale per token"); a group far below its token's largest loses precision from ~2^12
+  below it (e4m3's subnormals).
 
 Argument errors raise ValueError (bad value or shape) or TypeError (bad dtype) naming the argument.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,21 +42,23 @@ _INT32_MAX = 2**31 - 1
 _DS_MLA_MIN_SCALE = 1e-4
 
 
-def quantize_kv_cache(kv, kv_format: str, scale=None):
+def quantize_kv_cache(kv, kv_format: str, scale=None, *, ds_scales: str = "group"):
     """Quantizes latent vectors ``kv [..., 576]`` (bf16 or f32) into ``kv_format``'s cache representation.
 
     Returns bfloat16 ``[..., 576]`` (bf16), float8_e4m3fn ``[..., 576]`` (fp8_per_tensor; ``scale`` required, shape
-    ``()`` or ``(1,)``) or uint8 ``[..., 656]`` (fp8_ds_mla).
+    ``()`` or ``(1,)``) or uint8 ``[..., 656]`` (fp8_ds_mla; ``ds_scales`` ``"group"``: one scale per 128 channels,
+    ``"token"``: each token's largest scale stored four times).
     """
     kv_format = check_kv_format(kv_format)
     kv = jnp.asarray(kv)
     _check_latent("kv", kv)
     scale = _check_scale(scale, kv_format)
+    token_scales = _check_ds_scales(ds_scales, kv_format)
     if kv_format == "bf16":
         return kv.astype(jnp.bfloat16)
     if kv_format == "fp8_per_tensor":
         return _to_e4m3(kv.astype(jnp.float32) / scale)
-    return _quantize_ds_mla(kv)
+    return _quantize_ds_mla(kv, token_scales)
 
 
 def dequantize_kv_cache(cache, kv_format: str, scale=None, dtype=jnp.bfloat16):
@@ -71,7 +78,8 @@ def dequantize_kv_cache(cache, kv_format: str, scale=None, dtype=jnp.bfloat16):
     return _dequantize_ds_mla(cache).astype(dtype)
 
 
-def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=None, *, layer=None):
+def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=None, *, layer=None,
+                   ds_scales: str = "group"):
     """Quantizes ``new_kv`` and scatters it into the paged ``cache``; returns the updated cache.
 
     cache ``[num_blocks, 64, h_kv, 576 | 656]``; new_kv ``[b, s_new, h_kv, 576]``; block_table int ``[b, max_blocks]``;
@@ -82,7 +90,8 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     ``>= 64 * max_blocks``, or when their block_table entry is outside ``[0, num_blocks)``. Two tokens written to the
     same slot leave one of them, unspecified which.
 
-    ``scale`` is the fp8_per_tensor scale, as in :func:`quantize_kv_cache`. The update is a single scatter: jit the
+    ``scale`` is the fp8_per_tensor scale and ``ds_scales`` the fp8_ds_mla scale granularity, as in
+    :func:`quantize_kv_cache`. The update is a single scatter: jit the
     caller with the cache donated (``donate_argnums``) and XLA writes in place instead of copying the whole cache.
 
     With ``layer`` (an int scalar, may be traced), cache is the stack of every layer's cache ``[num_layers, num_blocks,
@@ -114,7 +123,7 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     if layer is not None:
         layer = layer_scalar(layer)
 
-    values = quantize_kv_cache(new_kv, kv_format, scale)
+    values = quantize_kv_cache(new_kv, kv_format, scale, ds_scales=ds_scales)
     if values.dtype != cache.dtype:  # fp8_ds_mla bytes into a float8_e4m3fn view of the cache
         values = jax.lax.bitcast_convert_type(values, cache.dtype)
 
@@ -132,11 +141,13 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     return cache.at[(*layer_index, page, positions % PAGE_SIZE)].set(values, mode="drop")
 
 
-@jax.jit  # one program, not one per operation, when called eagerly
-def _quantize_ds_mla(kv):
+@functools.partial(jax.jit, static_argnums=1)  # one program, not one per operation, when called eagerly
+def _quantize_ds_mla(kv, token_scales: bool):
     lead = kv.shape[:-1]
     nope = kv[..., :HEAD_DIM_V].astype(jnp.float32).reshape(*lead, NUM_SCALES, QUANT_TILE)
     scales = _pow2_ceil(jnp.maximum(jnp.max(jnp.abs(nope), axis=-1) / _E4M3_MAX, _DS_MLA_MIN_SCALE))
+    if token_scales:  # the token's largest, a power of two: dividing by it is exact short of e4m3's subnormals
+        scales = jnp.broadcast_to(jnp.max(scales, axis=-1, keepdims=True), scales.shape)
     nope_bytes = _bytes(_to_e4m3((nope / scales[..., None]).reshape(*lead, HEAD_DIM_V)))
     rope_bytes = _bytes(kv[..., HEAD_DIM_V:].astype(jnp.bfloat16))
     return jnp.concatenate([nope_bytes, _bytes(scales), rope_bytes], axis=-1)
@@ -206,6 +217,15 @@ def index_array(name, x):
 def _check_int(name, x):
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+
+
+def _check_ds_scales(ds_scales, kv_format):
+    """Whether fp8_ds_mla tokens get one scale each (``"token"``) rather than one per 128 channels (``"group"``)."""
+    if ds_scales not in ("group", "token"):
+        raise ValueError(f"ds_scales must be 'group' or 'token', got {ds_scales!r}")
+    if ds_scales == "token" and kv_format != "fp8_ds_mla":
+        raise ValueError(f"ds_scales='token' is only used by kv_format='fp8_ds_mla', got {kv_format!r}")
+    return ds_scales == "token"
 
 
 def _check_scale(scale, kv_format):

@@ -347,25 +347,26 @@ def _write_plan(mesh, arg_shapes):
     return tuple(named), _named(mesh, shardings[0]), plan
 
 
-def _write_body(kv_format, cache, new_kv, block_table, positions, scale, layer):
-    return quant.write_kv_cache(cache, new_kv, block_table, positions, kv_format, scale,
+def _write_body(write_format, cache, new_kv, block_table, positions, scale, layer):
+    kv_format, ds_scales = write_format
+    return quant.write_kv_cache(cache, new_kv, block_table, positions, kv_format, scale, ds_scales=ds_scales,
                                 **({} if layer is None else {"layer": layer[0]}))
 
 
 _write_cp = custom_partitioning(_write_body, static_argnums=(0,))
 
 
-def _write_partition(kv_format, mesh, arg_shapes, result_shape):
+def _write_partition(write_format, mesh, arg_shapes, result_shape):
     arg_shardings, result_sharding, plan = _write_plan(mesh, arg_shapes)
     plan.warn()
-    return mesh, functools.partial(_write_body, kv_format), result_sharding, arg_shardings
+    return mesh, functools.partial(_write_body, write_format), result_sharding, arg_shardings
 
 
-def _write_infer(kv_format, mesh, arg_shapes, result_shape):
+def _write_infer(write_format, mesh, arg_shapes, result_shape):
     return _write_plan(mesh, arg_shapes)[1]
 
 
-def _write_rule(kv_format, mesh, operand_types, result_types):
+def _write_rule(write_format, mesh, operand_types, result_types):
     # Operands: cache, new_kv, block_table, positions, then scale [1] and / or layer [1] when given.
     cache = "l n p k e" if len(operand_types[0].shape) == 5 else "n p k e"
     extra = "".join(f", x{i}" for i in range(len(operand_types) - 4))
@@ -376,18 +377,18 @@ _write_cp.def_partition(partition=_write_partition, infer_sharding_from_operands
                         sharding_rule=_write_rule)
 
 
-def _write_abstract(cache, new_kv, block_table, positions, *extra, kv_format, has_scale, has_layer):
+def _write_abstract(cache, new_kv, block_table, positions, *extra, kv_format, ds_scales, has_scale, has_layer):
     return (cache,)
 
 
-def _write_lowering(ctx, *args, kv_format, has_scale, has_layer):
+def _write_lowering(ctx, *args, kv_format, ds_scales, has_scale, has_layer):
     _check_exportable(ctx, "write_kv_cache")
 
     def fn(cache, new_kv, block_table, positions, *extra):
         extra = list(extra)
         scale = extra.pop(0) if has_scale else None
         layer = extra.pop(0) if has_layer else None
-        return (_write_cp(kv_format, cache, new_kv, block_table, positions, scale, layer),)
+        return (_write_cp((kv_format, ds_scales), cache, new_kv, block_table, positions, scale, layer),)
 
     return mlir.lower_fun(fn, multiple_results=True)(sharding_free(ctx), *args)
 
@@ -398,8 +399,10 @@ dispatch.prim_requires_devices_during_lowering.add(write_spmd_p)  # lowers to cu
 mlir.register_lowering(write_spmd_p, _write_lowering)
 
 
-def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=None, *, layer=None):
-    """`jax_flash_mla.write_kv_cache` that partitions: same arguments (`layer=` included), result, dropping rules.
+def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=None, *, layer=None,
+                   ds_scales: str = "group"):
+    """`jax_flash_mla.write_kv_cache` that partitions: same arguments (`layer=`, `ds_scales=` included), result,
+    dropping rules.
 
     Block ids follow the decode's page-pool convention: with the cache's num_blocks sharded over some mesh axes, the
     batch rows (new_kv, block_table, positions dim 0) are split over the same axes and each row's block ids index its
@@ -412,7 +415,7 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     scale, layer = (None if x is None else jnp.asarray(x) for x in (scale, layer))
     # Argument checks of the single-device op, on sharding-free shapes.
     spec = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-    jax.eval_shape(functools.partial(quant.write_kv_cache, kv_format=kv_format),
+    jax.eval_shape(functools.partial(quant.write_kv_cache, kv_format=kv_format, ds_scales=ds_scales),
                    *[spec(x) for x in (cache, new_kv, block_table, positions)], scale=spec(scale), layer=spec(layer))
     if scale is not None:
         validation.check_positive_scale_value("scale", scale)  # eval_shape saw only its shape
@@ -422,5 +425,5 @@ def write_kv_cache(cache, new_kv, block_table, positions, kv_format: str, scale=
     if layer is not None:
         extra.append(layer.astype(jnp.int32).reshape((1,)))
     (out,) = write_spmd_p.bind(cache, new_kv, block_table, positions.astype(jnp.int32), *extra, kv_format=kv_format,
-                               has_scale=scale is not None, has_layer=layer is not None)
+                               ds_scales=ds_scales, has_scale=scale is not None, has_layer=layer is not None)
     return out

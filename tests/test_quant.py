@@ -151,6 +151,39 @@ def test_fp8_ds_mla_round_trip():
     assert (np.abs(nope) < 2.0**-6 * scales).any()
 
 
+def test_ds_mla_token_scales_store_the_token_largest_four_times():
+    """ds_scales="token": each token's four scales are the largest of its per-group ones, and its NoPE bytes are
+    e4m3(value / that scale); the round trip keeps the e4m3 bound with the token's scale."""
+    rng = np.random.default_rng(12)
+    kv = wide_range_latent(rng, (3, 64, 2, 576))
+    kv[..., 128:256] *= 2.0**-9  # a group far below its token's largest
+    group = as_bytes(quantize_kv_cache(kv, "fp8_ds_mla"))
+    token = as_bytes(quantize_kv_cache(kv, "fp8_ds_mla", ds_scales="token"))
+    kmax = group[..., 512:528].copy().view("<f4").max(-1, keepdims=True)  # [..., 1]
+    np.testing.assert_array_equal(token[..., 512:528].copy().view("<f4"), np.repeat(kmax, 4, axis=-1))
+    want_nope = (kv[..., :512] / kmax).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(token[..., :512], want_nope)
+    np.testing.assert_array_equal(token[..., 528:], group[..., 528:])
+    back = np.asarray(dequantize_kv_cache(token, "fp8_ds_mla", dtype=jnp.float32))
+    nope = kv[..., :512]
+    assert (np.abs(back[..., :512] - nope) <= np.maximum(2.0**-4 * np.abs(nope), 2.0**-10 * kmax)).all()
+    assert (np.abs(nope) < 2.0**-6 * kmax).any()  # the subnormal branch of the bound was exercised
+
+
+def test_ds_mla_token_scales_write():
+    rng = np.random.default_rng(13)
+    cache = make_cache(rng, "fp8_ds_mla", num_blocks=3, h_kv=1)
+    new_kv = rng.standard_normal((2, 3, 1, 576), dtype=np.float32)
+    table = np.array([[2, 0], [1, 0]], np.int32)
+    positions = np.array([[0, 5, 70], [63, 64, -1]], np.int32)
+    got = as_bytes(write_kv_cache(cache, new_kv, table, positions, "fp8_ds_mla", ds_scales="token"))
+    want = as_bytes(quantize_kv_cache(new_kv, "fp8_ds_mla", ds_scales="token"))
+    np.testing.assert_array_equal(got[2, 0, 0], want[0, 0, 0])
+    np.testing.assert_array_equal(got[0, 6, 0], want[0, 2, 0])
+    np.testing.assert_array_equal(got[1, 63, 0], want[1, 0, 0])
+    np.testing.assert_array_equal(got[0, 0, 0], want[1, 1, 0])
+
+
 def test_fp8_per_tensor_saturates_instead_of_nan():
     kv = np.zeros(576, np.float32)
     kv[:6] = [1e6, -1e6, np.inf, -np.inf, 449.0, 900.0]
@@ -367,6 +400,12 @@ ERROR_CASES = [
      "scale is required for kv_format='fp8_per_tensor'"),
     (lambda: quantize_kv_cache(KV, "fp8_ds_mla", 1.0), ValueError,
      "scale is only used by kv_format='fp8_per_tensor', got a scale for 'fp8_ds_mla'"),
+    (lambda: quantize_kv_cache(KV, "fp8_ds_mla", ds_scales="tile"), ValueError,
+     "ds_scales must be 'group' or 'token', got 'tile'"),
+    (lambda: quantize_kv_cache(KV, "bf16", ds_scales="token"), ValueError,
+     "ds_scales='token' is only used by kv_format='fp8_ds_mla', got 'bf16'"),
+    (lambda: write_kv_cache(CACHE, NEW_KV, TABLE, POS, "bf16", ds_scales=None), ValueError,
+     "ds_scales must be 'group' or 'token', got None"),
     (lambda: quantize_kv_cache(KV, "fp8_per_tensor", np.int32(2)), TypeError,
      "scale must be a floating-point (float32) scalar, got dtype int32"),
     (lambda: quantize_kv_cache(KV, "fp8_per_tensor", np.ones(2, np.float32)), ValueError,

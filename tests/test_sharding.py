@@ -318,6 +318,22 @@ def test_sharded_write_is_local_exact_and_in_place(kv_format, pooled):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
 
 
+def test_sharded_write_of_token_scales():
+    """ds_scales="token" reaches every shard's write: the page pools hold what the single-device write leaves."""
+    cache, new_kv, table, positions = write_problem("fp8_ds_mla")
+    fn = lambda cache, new_kv, table, positions: sharding.write_kv_cache(cache, new_kv, table, positions,
+                                                                          "fp8_ds_mla", ds_scales="token")
+    got, compiled = run_sharded(fn, make_mesh(), [cache, new_kv, table, positions], [P("data")] * 4, donate=(0,))
+    assert hlo.collectives_in(compiled) == []
+    rows = lambda x, i: x[i * ROWS:(i + 1) * ROWS]
+    want = np.concatenate([np.asarray(run_single(fn, cache[i * POOL:(i + 1) * POOL], rows(new_kv, i),
+                                                 rows(table, i), rows(positions, i))) for i in range(DATA)])
+    np.testing.assert_array_equal(np.asarray(got), want)
+    scales = np.asarray(got)[..., 512:528].copy().view("<f4")
+    written = (scales != np.asarray(cache)[..., 512:528].copy().view("<f4")).any(-1)
+    assert written.any() and (scales[written] == scales[written][:, :1]).all()  # four equal scales per written token
+
+
 def test_plain_jnp_write_into_page_pools_communicates():
     """Why the public write_kv_cache is sharding.write_kv_cache: the plain scatter (quant.write_kv_cache) treats block ids as global (Auto mode: gathers and
     permutes; Explicit mode: rejects the ambiguous scatter)."""
