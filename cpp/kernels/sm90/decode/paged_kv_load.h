@@ -147,4 +147,24 @@ __device__ __forceinline__ void load_ds_page(const CUtensorMap* cache_map, const
   tma_load_4d(scale_map, full_bar, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block, evict_first);
 }
 
+// fp8_ds_mla on the page pairs (Traits<kFp8DsMlaTokenScales>): part 0 is NoPE slabs 0-1, part 1 the scales (first:
+// the prep warps read them before the rest lands), NoPE slabs 2-3 and the RoPE slab.
+template <class Traits>
+__device__ __forceinline__ void load_ds_page_part(const CUtensorMap* cache_map, const CUtensorMap* slab_map,
+                                                  const CUtensorMap* scale_map, uint64_t* part_full,
+                                                  typename Traits::Element* slot, int head_k, int block, int part,
+                                                  bool evict_first) {
+  static_assert(Traits::kSlabsPerBox * 2 == Traits::kNopeSlabs, "a part's NoPE slabs in one box of slab_map");
+  if (part == 0) {
+    mbarrier_arrive_expect_tx(part_full, Traits::kLeftBytes);
+    tma_load_5d(slab_map, part_full, slot, 0, 0, 0, head_k, block, evict_first);
+  } else {
+    mbarrier_arrive_expect_tx(part_full, Traits::kRightBytes);
+    tma_load_4d(scale_map, part_full, slot + Traits::kScaleOffset, Traits::kScaleByte, head_k, 0, block, evict_first);
+    tma_load_5d(slab_map, part_full, slot + Traits::kLeftBytes, 0, 0, Traits::kSlabsPerBox, head_k, block,
+                evict_first);
+    tma_load_4d(cache_map, part_full, slot + Traits::kRopeOffset, Traits::kRopeByte, head_k, 0, block, evict_first);
+  }
+}
+
 }  // namespace jax_flash_mla::sm90

@@ -480,6 +480,81 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   static_assert(kKElems % 1024 == 0, "slots stay 1024-byte aligned");
 };
 
+// fp8_ds_mla's bytes on the page pairs, design S (docs/DESIGN.md, "Design S on the page pairs: the build"). On a
+// page whose tokens carry one scale each (quantize_kv_cache(..., ds_scales="token")), a token's NoPE bytes are
+// e4m3(value / k[t]), so with q's row scale qs:
+//   S = qs * k[t] * (Q8 K8^T + (q_rope / qs) (k_rope / k[t])^T)
+// is one fp32 accumulator: 16 FP8 k-steps over the NoPE slabs and 4 bf16 k-steps over the RoPE slab, once the
+// producer warpgroup's prep warps have divided that slab's rows by k[t] in place (a bf16 exponent shift for the
+// power-of-two scales of the reference quantizer). P = e4m3(p * k[t] * 16 / N), N the chunk's running max of k
+// (in the page table, written by the prep warps), and O carries N / 16 as consumer_ds's O_g carries N_g / 16.
+// The pair pipeline is fp8_per_tensor's with two stages (early S kept: session 63's st2e ran fp8_per_tensor's
+// pairs at main's speed on two stages). A K slot is two parts: left = NoPE slabs 0-1 (V channels 0-255), right =
+// NoPE slabs 2-3, the RoPE slab and the scales.
+//
+// Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192 + K 2 x 41984 + V^T 2 x 32768 + P 2 x 4096 + page tables
+// 2 x 272 + zero row + q scales 256 + row statistics 1024 + barriers, plus 1 KB of alignment slack.
+template <>
+struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat::kFp8DsMla> {
+  using Base = Traits<config::KvFormat::kFp8DsMla>;
+  static constexpr int kNumStages = 2;
+  static constexpr bool kScaleGroups = false;  // consumer(), the page pairs
+  static constexpr bool kTokenScales = true;
+  static constexpr int kPiecesPerPart = 1;
+  static constexpr int kSlabsPerBox = 2;  // a part's two NoPE slabs as one box of the slab map
+  static constexpr int kLeftBytes = kSlabsPerBox * kNopeSlabBytes;                            // 16384
+  static constexpr int kRightBytes = kKElems - kLeftBytes;                                    // 25600
+  static constexpr bool kOwnPInRegisters = false;
+  static constexpr int kNumPTiles = 2;
+  static constexpr bool kPInRopeSlab = false;
+  static constexpr bool kBRightFirst = false;
+  static constexpr int kNarrowRows = 0;  // the few-rows kernel stays design A (NarrowTraits<kFp8DsMla>)
+
+  // S over a whole page (N = 64), NoPE and RoPE into one accumulator; P V as fp8_per_tensor's.
+  using TiledMmaQKNope = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
+  using TiledMmaQKRope = decltype(cute::make_tiled_mma(
+      cute::SM90_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
+  using TiledMmaQK = TiledMmaQKNope;
+  using TiledMmaPV = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>{}));
+
+  // What the prep warps leave for a page: k[t] for the S and P factors, the chunk's running N through this
+  // page, and whether the page was uniform (its bytes as written) or shifted to its tokens' largest scales.
+  struct PageTable {
+    float k[decode_cfg::kBlockN];
+    float running_n;
+    uint32_t shifted;
+    uint32_t pad[2];
+  };
+
+  struct SharedMemoryPlan {
+    alignas(1024) Element q[kQElems];
+    alignas(1024) ElementRope q_rope[kQRopeElems];
+    alignas(1024) Element k[kNumStages][kKElems];
+    alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
+    alignas(1024) Element p[kNumPTiles][kPElems];
+    alignas(16) PageTable table[kNumStages];
+    alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
+    float q_scale[decode_cfg::kBlockM];
+    float ref_max[2][decode_cfg::kBlockM];
+    float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
+    alignas(8) uint64_t k_full[kNumStages][2];
+    alignas(8) uint64_t k_empty[kNumStages][2];
+    // Per slot: the prep warps are done with the page (table written, RoPE slab divided, NoPE shifted where
+    // needed); every consumer warp is done with its page table.
+    alignas(8) uint64_t prepared[kNumStages];
+    alignas(8) uint64_t table_empty[kNumStages];
+    alignas(8) uint64_t q_full, q_empty;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
+  static_assert(offsetof(SharedMemoryPlan, p) == offsetof(SharedMemoryPlan, vt) + sizeof(SharedMemoryPlan::vt) &&
+                    sizeof(SharedMemoryPlan::vt) + sizeof(SharedMemoryPlan::p) >=
+                        decode_cfg::kBlockM * decode_cfg::kHeadDimQK * sizeof(QTmaElement),
+                "q by TMA fits the V^T and P tiles");
+  static_assert(kLeftBytes % 1024 == 0 && kKElems % 1024 == 0, "parts and slots stay 1024-byte aligned");
+  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.vt); }
+};
+
 // ------------------------------------------------------------------ few query rows
 // q_rows_per_head_k <= kNarrowRows (16: h_q 16 with s_q 1, or fewer heads) runs
 // consumer_narrow.cuh: S^T = K Q^T and O^T = V^T P^T with the page's tokens and
