@@ -37,7 +37,7 @@ import sys
 
 # Kernel keys (format enum, few-rows flag) as in the mangled names; the five splitkv kernels of a full build.
 KERNELS = {"0ELb0": "bf16", "1ELb0": "fp8_per_tensor", "1ELb1": "fp8_per_tensor few-rows",
-           "2ELb0": "fp8_ds_mla", "2ELb1": "fp8_ds_mla few-rows"}
+           "2ELb0": "fp8_ds_mla", "2ELb1": "fp8_ds_mla few-rows", "3ELb0": "fp8_ds_mla design S"}
 MANGLED = "_ZN13jax_flash_mla4sm9018splitkv_mla_kernelILNS_6config8KvFormatE{}EEEvNS0_11SplitKvArgsE"
 
 # Opcode classes, first match wins.

@@ -60,6 +60,46 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // The two rows this thread holds (fragment row halves 0 and 1).
   const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
   constexpr int kSteps = decltype(size<2>(tSrQ))::value;
+  auto stage_of_ring = [](int i) { return i % Tr::kNumStages; };
+  // Design S (Tr::kTokenScales, traits.h): q's row scales (load_q_ds, per chunk), the token factors of a page
+  // from its page table, and the running N that this WG's O is in units of (O holds O_true * 16 / n_ref).
+  float q_row_scale[2] = {1.f, 1.f};
+  float n_ref = 0.f;
+  // Value v of an m64n64 fragment is token 8 (v / 4) + 2 (lane % 4) + v % 2: factor kf[2 (v / 4) + v % 2].
+  auto kf_of = [](int v) { return 2 * (v / 4) + v % 2; };
+  auto load_token_factors = [&](int i, float (&kf)[16]) {
+    if constexpr (Tr::kTokenScales) {
+      const uint32_t base = smem_addr(&plan.table[stage_of_ring(i)].k[0]) + uint32_t(8 * (lane % 4));
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(kf[2 * j]), "=f"(kf[2 * j + 1]) : "r"(base + 32 * j)
+                     : "memory");
+      }
+    }
+  };
+  // The scores as they leave the accumulator: S = acc * k[t] * qs[r].
+  auto token_score = [&](float acc, const float (&kf)[16], int v) {
+    return acc * (kf[kf_of(v)] * q_row_scale[fragment_row_half(v)]);
+  };
+  // Folds page i's running N into this WG's O factor (O's units move from n_ref to N; the row sums, of the
+  // unscaled p, keep the row-max factor alone).
+  auto adopt_n = [&](int i, float (&factor)[2]) {
+    if constexpr (Tr::kTokenScales) {
+      const float n = plan.table[stage_of_ring(i)].running_n;
+      if (n_ref > 0.f && n != n_ref) {
+        factor[0] *= n_ref / n;
+        factor[1] *= n_ref / n;
+      }
+      n_ref = n;
+    }
+  };
+  // This warp has read page i's table for the last time.
+  auto release_table = [&](int i) {
+    if constexpr (Tr::kTokenScales) {
+      __syncwarp();
+      mbarrier_arrive_if(&plan.table_empty[stage_of_ring(i)], lane == 0);
+    }
+  };
 
   auto stage_of = [](int i) { return i % Tr::kNumStages; };
   auto phase_of = [](int i) { return uint32_t(i / Tr::kNumStages) & 1u; };
@@ -112,8 +152,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // landing. The right part's RoPE slab lands with its first piece.
   // (always_inline: called from three places, it would otherwise become a
   // call, with the accumulators passed through the stack.)
-  constexpr int kStepsPerSlab = kSteps / decode_cfg::kSlabs;
-  static_assert(kStepsPerSlab * decode_cfg::kSlabs == kSteps, "k-steps per slab");
+  constexpr int kStepsPerSlab = Tr::kTokenScales ? 1 : kSteps / decode_cfg::kSlabs;
+  static_assert(Tr::kTokenScales || kStepsPerSlab * decode_cfg::kSlabs == kSteps, "k-steps per slab");
   constexpr int kPieceSteps = Tr::kSlabsPerBox * kStepsPerSlab;
   constexpr int kRopeStep = (decode_cfg::kSlabs - 1) * kStepsPerSlab;
   auto issue_s = [&](int i, bool right_first) __attribute__((always_inline)) {
@@ -121,6 +161,24 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
     stamp(args, wg, i, event_trace::kSWaitStart);
+    if constexpr (Tr::kTokenScales) {
+      // Design S: the page whole and prepared (its RoPE slab divided by k[t], its NoPE shifted where its scales
+      // differed), then the 16 NoPE FP8 k-steps and the 4 RoPE bf16 k-steps into one accumulator.
+      mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
+      mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
+      mbarrier_wait(&plan.prepared[stage_of(i)], phase_of(i));
+      warpgroup_arrive();
+      wgmma_k_steps(mma_qk, tSrQ, tSrK, tSrS, false);
+      typename Tr::TiledMmaQKRope mma_rope;
+      auto thr_rope = mma_rope.get_thread_slice(tid);
+      Tensor sQR = make_tensor(make_smem_ptr(plan.q_rope), typename Tr::SmemLayoutQRope{});
+      Tensor sKR = make_tensor(make_smem_ptr(reinterpret_cast<typename Tr::ElementRope*>(plan.k[stage_of(i)] +
+                                                                                          Tr::kRopeOffset)),
+                               typename Tr::SmemLayoutKRope{});
+      wgmma_k_steps(mma_rope, thr_rope.partition_fragment_A(sQR), thr_rope.partition_fragment_B(sKR), tSrS, true);
+      warpgroup_commit_batch();
+      return;
+    }
     CUTE_UNROLL
     for (int n = 0; n < 2; ++n) {
       const int part = right_first ? 1 - n : n;
@@ -186,8 +244,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       }
     } else {
       static_assert(std::is_same_v<Element, cutlass::float_e4m3_t>);
-      store_p_e4m3<Tr, kBlockN / 16>(smem_addr(raw_pointer_cast(p_tile(i, page_role).data())), tid / 32, lane, tP,
-                                     [](int) { return 1.f; }, 0);
+      const uint32_t tile = smem_addr(raw_pointer_cast(p_tile(i, page_role).data()));
+      if constexpr (Tr::kTokenScales) {
+        // P = e4m3(p * k[t] * 16 / N): the factors read again here (held from the S, they cost registers).
+        float kf[16];
+        load_token_factors(i, kf);
+        const float to_n = Tr::kPNormalizer / plan.table[stage_of(i)].running_n;
+        store_p_e4m3<Tr, kBlockN / 16>(tile, tid / 32, lane, tP, [&](int v) { return kf[kf_of(v)] * to_n; }, 0);
+      } else {
+        store_p_e4m3<Tr, kBlockN / 16>(tile, tid / 32, lane, tP, [](int) { return 1.f; }, 0);
+      }
     }
   };
   auto rescale_o = [&](const float (&factor)[2]) {
@@ -272,7 +338,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // (bf16), page B' reuses B's slot, which is free only once P_B V_B
   // retired. Early S also relies on V^T: the K slot is released before the
   // P V that follows it, so nothing is left to release after the S.
-  constexpr bool kEarlyS = Tr::kNumStages >= 3;
+  // Design S keeps it on two stages: V^T frees both slots early in the pair (session 63's st2e).
+  constexpr bool kEarlyS = Tr::kNumStages >= 3 || Tr::kTokenScales;
   static_assert(!kEarlyS || Tr::kVNeedsTranspose, "early S releases K slots before their P V");
 
   int it = 0;  // pages consumed by this CTA, across chunks (ring position)
@@ -293,7 +360,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   for (int b = meta.begin_batch; b <= meta.end_batch; ++b) {
     const Chunk c = make_chunk(p, meta, b);
     stamp(args, wg, it, event_trace::kChunkStart);
-    acquire_q(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch);
+    if constexpr (Tr::kTokenScales) {
+      load_q_ds(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch);  // ends at kQReady
+      q_row_scale[0] = plan.q_scale[rows[0]];
+      q_row_scale[1] = plan.q_scale[rows[1]];
+      n_ref = 0.f;
+    } else {
+      acquire_q(args, plan, c.batch, head_k, m_block, ctid, b - meta.begin_batch);
+    }
     stamp(args, wg, it, event_trace::kQLoaded);
 
     int limit[2];
@@ -335,12 +409,20 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         stamp(args, 0, ia, event_trace::kPairSRetired);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         release_part(ia, 1);  // S_A was WG0's last read of A's right part
+        if constexpr (Tr::kTokenScales) {
+          float kf[16];
+          load_token_factors(ia, kf);
+          CUTE_UNROLL
+          for (int v = 0; v < size(tSrS); ++v) tSrS(v) = token_score(tSrS(v), kf, v);
+        }
         mask(tSrS, page);
         float page_max[2];
         row_max(tSrS, page_max);
         softmax.template update<Tr::kLazyRescaleLog2>(tSrS, page_max, scale_log2, factor);
         publish_max(softmax, plan.ref_max[0]);
+        adopt_n(ia, factor);
         publish_page(tSrS, ia, page, 0, c, factor, accumulate);
+        release_table(ia);
         stamp(args, 0, ia, event_trace::kPairAReady);
         accumulate = true;
         if (has_b) {
@@ -370,6 +452,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           stamp(args, 0, ia, event_trace::kPairPvRetired);
           if constexpr (!Tr::kVNeedsTranspose) release(ia);  // P_A V_A,L retired
           adopt_max(softmax, plan.ref_max[1], factor);
+          adopt_n(ib, factor);
+          release_table(ib);
           rescale_o(factor);
           issue_pv_smem(ib, 1, true);
           if (kEarlyS && has_next) {
@@ -416,8 +500,15 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           warpgroup_fence_operand(tSrS);
           stamp(args, 1, ia, event_trace::kPairSRetired);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
-          CUTE_UNROLL
-          for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
+          if constexpr (Tr::kTokenScales) {
+            float kf[16];
+            load_token_factors(ib, kf);
+            CUTE_UNROLL
+            for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = token_score(tSrS(v), kf, v);
+          } else {
+            CUTE_UNROLL
+            for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);
+          }
           mask(tSrSb, page + 1);
           row_max(tSrSb, page_max);
         } else {
@@ -426,6 +517,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         named_barrier_sync_unaligned(NamedBarriers::kPageAReady, kConsumers);
         stamp(args, 1, ia, event_trace::kPairAReady);
         adopt_max(softmax, plan.ref_max[0], factor);
+        adopt_n(ia, factor);
+        release_table(ia);
         rescale_o(factor);
         // The softmax of B and its reference m_B, for WG0 at kPageBReady.
         auto softmax_b = [&] {
@@ -477,7 +570,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           if constexpr (Tr::kPInRopeSlab) {
             accumulate_own_page(tSrSb, ib, 1, factor, true);
           } else {
+            adopt_n(ib, factor);
             publish_page(tSrSb, ib, page + 1, 1, c, factor, true);
+            release_table(ib);
             stamp(args, 1, ia, event_trace::kPairBReady);
           }
           if (kEarlyS && next_has_b) {
@@ -499,7 +594,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     stamp(args, wg, it - 1, event_trace::kPagesDone);
     share_row_sums(plan, softmax, wg, tid, rows);
     stamp(args, wg, it - 1, event_trace::kSumsShared);
-    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, out_scale);
+    float o_scale = out_scale;
+    if constexpr (Tr::kTokenScales) o_scale = n_ref > 0.f ? n_ref / Tr::kPNormalizer : 1.f;  // O: O_true * 16 / n_ref
+    epilogue(p, plan, c, head_k, m_block, wg, tid, softmax, tOrO, tOcO, rows, logit_scale, o_scale);
     stamp(args, wg, it - 1, event_trace::kEpilogueDone);
   }
 }

@@ -248,8 +248,13 @@ struct SplitKvMlaKernel {
             const int part = page_b ? 1 - n : n;
             mbarrier_wait(&plan.k_empty[stage][part], phase ^ 1);
             stamp(args, 2, it, part == 0 ? event_trace::kLeftIssued : event_trace::kRightIssued);
-            load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
-                                  head_k, block, part, evict_first);
+            if constexpr (Tr::kTokenScales) {
+              load_ds_page_part<Tr>(&args.k_map, &args.slab_map, &args.scale_map, &full[part], plan.k[stage], head_k,
+                                    block, part, evict_first);
+            } else {
+              load_kv_page_part<Tr>(&args.k_map, &args.slab_map, &full[part * Tr::kPiecesPerPart], plan.k[stage],
+                                    head_k, block, part, evict_first);
+            }
           }
         }
         if (page == c.first_page()) issue_q();
@@ -398,6 +403,9 @@ struct SplitKvMlaKernel {
     page_max[1] = fmaxf(page_max[1], xmax[wg ^ 1][rows[1]]);
   }
 
+  // Design S (Tr::kTokenScales): the producer warpgroup's prep warps, thread t of them taking token t of every
+  // page (ds_page_prep.cuh).
+  __device__ static void prep_pages(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int t);
   // ---------------------------------------------------------- consumers
   // bf16 / fp8_per_tensor: page pairs (consumer_pairs.cuh).
   __device__ static void consumer(const SplitKvArgs& args, Plan& plan, const SchedMeta& meta, int head_k, int m_block,
@@ -464,6 +472,12 @@ struct SplitKvMlaKernel {
           }
         }
       }
+      if constexpr (Tr::kTokenScales) {
+        for (int s = 0; s < Tr::kNumStages; ++s) {
+          mbarrier_init(&plan.prepared[s], Tr::kPrepWarps);
+          mbarrier_init(&plan.table_empty[s], kConsumers / 32);
+        }
+      }
       if constexpr (kQByTmaCapable) {
         mbarrier_init(&plan.q_full, 1);
         mbarrier_init(&plan.q_empty, kConsumers / 32);  // every consumer warp's S read Q
@@ -479,7 +493,7 @@ struct SplitKvMlaKernel {
     if (threadIdx.x == kConsumers && p.num_blocks > 0) {
       tma_prefetch_descriptor(&args.k_map);
       tma_prefetch_descriptor(&args.slab_map);
-      if constexpr (Tr::kScaleGroups) tma_prefetch_descriptor(&args.scale_map);
+      if constexpr (Tr::kScaleGroups || Tr::kTokenScales) tma_prefetch_descriptor(&args.scale_map);
       if constexpr (kQByTmaCapable) {
         if (args.q_by_tma) tma_prefetch_descriptor(&args.q_map);
       }
@@ -513,7 +527,13 @@ struct SplitKvMlaKernel {
       }
     } else {
       cutlass::arch::warpgroup_reg_dealloc<decode_cfg::kProducerRegs>();
-      if (threadIdx.x == kConsumers) producer(args, plan, meta, head_k, m_block);
+      if (threadIdx.x == kConsumers) {
+        producer(args, plan, meta, head_k, m_block);
+      } else if constexpr (Tr::kTokenScales) {
+        if (warp > kConsumers / 32 && warp <= kConsumers / 32 + Tr::kPrepWarps) {
+          prep_pages(args, plan, meta, threadIdx.x - kConsumers - 32);
+        }
+      }
     }
   }
 };
@@ -524,6 +544,7 @@ struct SplitKvMlaKernel {
 #include "kernels/sm90/decode/consumer_pairs.cuh"
 #include "kernels/sm90/decode/consumer_ds.cuh"
 #include "kernels/sm90/decode/consumer_narrow.cuh"
+#include "kernels/sm90/decode/ds_page_prep.cuh"
 #include "kernels/sm90/decode/epilogue.cuh"
 
 namespace jax_flash_mla::sm90 {
@@ -664,7 +685,7 @@ void run_splitkv_mla(const DecodeParams& params) {
   args.params = params;
   args.k_map = make_k_tensor_map<kFormat>(params, Tr::kTmaBoxElems, Tr::kTmaSwizzle);
   args.slab_map = make_slab_tensor_map<kFormat>(params);
-  if constexpr (Tr::kScaleGroups) {
+  if constexpr (Tr::kScaleGroups || Tr::kTokenScales) {
     args.scale_map = make_k_tensor_map<kFormat>(params, Tr::kScaleRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
   } else {
     memset(&args.scale_map, 0, sizeof(args.scale_map));

@@ -104,6 +104,7 @@ struct Traits<config::KvFormat::kBf16> {
   using ElementAccum = float;
   static constexpr int kBytesPerToken = config::kHeadDimQK * 2;  // 1152
   static constexpr int kNumStages = 2;
+  static constexpr bool kTokenScales = false;  // design S on the page pairs (Traits<kFp8DsMlaTokenScales>)
   static constexpr bool kVNeedsTranspose = false;  // bf16 WGMMA reads MN-major B directly
   static constexpr bool kUsesDescale = false;      // no descale_q / descale_k
   static constexpr bool kScaleGroups = false;      // fp8_ds_mla's per-group scales (design A)
@@ -250,6 +251,7 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   using ElementAccum = float;
   static constexpr int kBytesPerToken = config::kHeadDimQK;  // 576
   static constexpr int kNumStages = 3;
+  static constexpr bool kTokenScales = false;  // design S on the page pairs (Traits<kFp8DsMlaTokenScales>)
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = true;
   static constexpr bool kScaleGroups = false;
@@ -365,6 +367,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   using ElementAccum = float;
   static constexpr int kBytesPerToken = config::kDsMlaBytesPerToken;  // 656
   static constexpr int kNumStages = 2;
+  static constexpr bool kTokenScales = false;  // design S on the page pairs (Traits<kFp8DsMlaTokenScales>)
   static constexpr bool kVNeedsTranspose = true;
   static constexpr bool kUsesDescale = false;
   static constexpr bool kScaleGroups = true;  // design A (kQuantizeQ, kPromoteQK, kPPerGroup, kPromotePV)
@@ -492,8 +495,8 @@ struct Traits<config::KvFormat::kFp8DsMla> {
 // pairs at main's speed on two stages). A K slot is two parts: left = NoPE slabs 0-1 (V channels 0-255), right =
 // NoPE slabs 2-3, the RoPE slab and the scales.
 //
-// Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192 + K 2 x 41984 + V^T 2 x 32768 + P 2 x 4096 + page tables
-// 2 x 272 + zero row + q scales 256 + row statistics 1024 + barriers, plus 1 KB of alignment slack.
+// Shared memory (bytes): Q NoPE 32768 + Q RoPE 8192 + K 2 x 41984 + V^T 2 x 32768 + P 4 x 4096 + page tables
+// 2 x 288 + zero row + q scales and row lags 512 + row statistics 1024 + barriers, plus 1 KB of alignment slack.
 template <>
 struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat::kFp8DsMla> {
   using Base = Traits<config::KvFormat::kFp8DsMla>;
@@ -523,18 +526,24 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
     float k[decode_cfg::kBlockN];
     float running_n;
     uint32_t shifted;
-    uint32_t pad[2];
+    uint32_t warp_max[2];      // the two prep warps' largest k (float bits), combined behind kPrepExchange
+    uint32_t warp_uniform[2];  // and whether all their tokens' four scales were equal
   };
+  // The producer warpgroup's warps 1 and 2 prepare the pages (ds_page_prep.cuh), one token a thread.
+  static constexpr int kPrepWarps = 2;
 
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
     alignas(1024) ElementRope q_rope[kQRopeElems];
     alignas(1024) Element k[kNumStages][kKElems];
     alignas(1024) Element vt[2][kVtElems];  // page A, page B; WG w fills channels 256w..256w+255
-    alignas(1024) Element p[kNumPTiles][kPElems];
+    // P_A, P_B; the other two tiles' 8 KB only complete load_q_ds's staging copy of q (V^T and P, idle between
+    // chunks, hold it).
+    alignas(1024) Element p[4][kPElems];
     alignas(16) PageTable table[kNumStages];
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float q_scale[decode_cfg::kBlockM];
+    int row_lag[decode_cfg::kBlockM];  // written by load_q_ds (consumer_ds's causal limits); unread here
     float ref_max[2][decode_cfg::kBlockM];
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
