@@ -99,7 +99,7 @@ def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k: int, num_heads_k: i
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: int = HEAD_DIM_V,
                            tile_scheduler_metadata=None, num_splits=None, softmax_scale: Optional[float] = None,
                            causal: bool = False, kv_format: str = "bf16", descale_q=None, descale_k=None, *,
-                           layer=None, implementation: str = "auto"):
+                           layer=None, implementation: str = "auto", ds_scales: str = "group"):
     """MLA decode attention over a paged latent cache.
 
     Args:
@@ -124,6 +124,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         layer's cache (under lax.scan over layers, `k_cache[layer]` would hand the kernel a copy of the layer).
       implementation: "auto" (kernel on sm_90, reference elsewhere; JAX_FLASH_MLA_FORCE_REFERENCE=1 forces the
         reference), "kernel" or "reference".
+      ds_scales: "fp8_ds_mla" only, which decoder the kernel path runs: "group" (any cache) or "token", for caches
+        written with one scale per token (quantize_kv_cache / write_kv_cache with ds_scales="token"). "token" reads
+        every cache correctly, but pages whose four scales differ are re-expressed first, which is slow. The reference
+        reads every cache alike. (Session 63: the "token" decoder is built, not yet verified on a GPU.)
 
     Returns:
       out bfloat16 [batch, seqlen_q, num_heads_q, 512] and lse float32 [batch, num_heads_q, seqlen_q] (natural log;
@@ -135,6 +139,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             softmax_scale=HEAD_DIM_QK ** -0.5 if softmax_scale is None else softmax_scale, causal=causal,
             head_dim_v=head_dim_v, layer=layer)
 
+    if ds_scales not in ("group", "token"):
+        raise ValueError(f"ds_scales must be 'group' or 'token', got {ds_scales!r}")
+    if ds_scales == "token" and kv_format != "fp8_ds_mla":
+        raise ValueError(f"ds_scales='token' is only used by kv_format='fp8_ds_mla', got {kv_format!r}")
     b = q.shape[0]
     implementation = resolve_implementation(implementation)
     if (kv_format in formats.FP8_FORMATS and implementation != "reference" and hopper_devices_only()
@@ -172,5 +180,5 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
         ones if descale_q is None else jnp.reshape(descale_q, (1,)),
         ones if descale_k is None else jnp.reshape(descale_k, (1,)), meta, layer,
         softmax_scale=softmax_scale, causal=causal, kv_format=kv_format, implementation=implementation,
-        num_sms=_default_num_sms())
+        num_sms=_default_num_sms(), ds_scales=ds_scales)
     return out, lse

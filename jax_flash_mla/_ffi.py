@@ -90,14 +90,17 @@ def unavailable_reason():
     return _unavailable_reason
 
 
-def decode_target(kv_format) -> str:
-    """FFI target name of the decode kernel for `kv_format` (whether or not it was built: see kernel_formats)."""
-    return _DECODE_PREFIX + check_kv_format(kv_format)
+def decode_target(kv_format, ds_scales: str = "group") -> str:
+    """FFI target name of the decode kernel for `kv_format` (whether or not it was built: see kernel_formats); with
+    ds_scales "token", fp8_ds_mla's design-S decoder."""
+    kv_format = check_kv_format(kv_format)
+    return _DECODE_PREFIX + kv_format + ("_token_scales" if ds_scales == "token" else "")
 
 
 def all_targets() -> tuple:
     """Every FFI target name this package can emit (built here or not): the scheduler's and one decoder per format."""
-    return (TARGET_SCHED_META,) + tuple(_DECODE_PREFIX + f for f in KV_FORMATS)
+    return (TARGET_SCHED_META,) + tuple(_DECODE_PREFIX + f for f in KV_FORMATS) + (
+        decode_target("fp8_ds_mla", "token"),)
 
 
 def build_info() -> dict:

@@ -227,7 +227,7 @@ def _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, desc
     (merging the leading dimensions of a row-major array is a bitcast, not a copy) and the layer's block ids are
     offset into it.
     """
-    softmax_scale, causal, kv_format, implementation, num_sms = config
+    softmax_scale, causal, kv_format, ds_scales, implementation, num_sms = config
     if layer is not None:
         block_table = block_table + layer[0] * k_cache.shape[1]
         k_cache = k_cache.reshape((-1,) + k_cache.shape[2:])
@@ -238,7 +238,7 @@ def _decode_body(config, q, k_cache, block_table, cache_seqlens, descale_q, desc
     sched, splits = meta
     out, lse = decode_p.bind(q, k_cache, block_table, cache_seqlens, sched, splits, descale_q, descale_k,
                              softmax_scale=softmax_scale, causal=causal, kv_format=kv_format,
-                             implementation=implementation)
+                             ds_scales=ds_scales, implementation=implementation)
     return out, lse
 
 
@@ -275,16 +275,16 @@ _decode_cp.def_partition(partition=_decode_partition, infer_sharding_from_operan
 
 
 def _decode_abstract(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra, softmax_scale, causal,
-                     kv_format, implementation, num_sms):
+                     kv_format, ds_scales, implementation, num_sms):
     b, s_q, h_q, _ = q.shape
     batch, _, heads, _ = _spec(q, 4)
     return (_typed(q, (b, s_q, h_q, HEAD_DIM_V), jnp.bfloat16, (batch, None, heads, None)),
             _typed(q, (b, h_q, s_q), jnp.float32, (batch, heads, None)))
 
 
-def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, implementation, num_sms):
+def _decode_lowering(ctx, *args, softmax_scale, causal, kv_format, ds_scales, implementation, num_sms):
     _check_exportable(ctx, "flash_mla_with_kvcache")
-    config = (softmax_scale, causal, kv_format, implementation, num_sms)
+    config = (softmax_scale, causal, kv_format, ds_scales, implementation, num_sms)
 
     def fn(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra):
         layer, meta = (extra[0], extra[1:]) if k_cache.ndim == 5 else (None, extra)  # a stack of layers
@@ -300,7 +300,8 @@ mlir.register_lowering(decode_spmd_p, _decode_lowering)
 
 
 def decode(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta=None, layer=None, *,
-           softmax_scale: float, causal: bool, kv_format: str, implementation: str, num_sms: int):
+           softmax_scale: float, causal: bool, kv_format: str, implementation: str, num_sms: int,
+           ds_scales: str = "group"):
     """Partition-aware decode for `flash_mla_with_kvcache` (arguments already validated and normalized).
 
     meta: None (computed per shard) or (tile_scheduler_metadata, num_splits), used only when nothing is split.
@@ -309,7 +310,7 @@ def decode(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, meta=No
     extra = (() if layer is None else (jnp.reshape(layer, (1,)),)) + (() if meta is None else tuple(meta))
     return tuple(decode_spmd_p.bind(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, *extra,
                                     softmax_scale=float(softmax_scale), causal=bool(causal), kv_format=kv_format,
-                                    implementation=implementation, num_sms=int(num_sms)))
+                                    ds_scales=ds_scales, implementation=implementation, num_sms=int(num_sms)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

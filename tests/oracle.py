@@ -187,6 +187,25 @@ def make_decode_inputs(
     )
 
 
+def with_token_scales(inputs: DecodeInputs, pages) -> DecodeInputs:
+    """fp8_ds_mla inputs whose cache pages `pages` (a boolean mask over num_blocks) carry one scale per token: the
+    largest of its four, stored four times, and its NoPE values e4m3(value / kmax) (rounded to nearest, saturating),
+    as a writer of token scales leaves them (quantize_kv_cache(..., ds_scales="token") from the latent). Other pages
+    keep their per-group scales; unused slots keep their NaN."""
+    assert inputs.kv_format == "fp8_ds_mla"
+    raw = inputs.k_cache.copy()
+    sel = raw[np.asarray(pages)]
+    scales = np.ascontiguousarray(sel[..., 512:528]).view("<f4")  # [..., 4]
+    nope = sel[..., :512].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values = (nope.reshape(*nope.shape[:-1], 4, 128) * scales[..., None]).reshape(nope.shape)
+    kmax = scales.max(axis=-1, keepdims=True)
+    requant = np.clip(values / np.repeat(kmax, 512, axis=-1), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    sel[..., :512] = requant.view(np.uint8)
+    sel[..., 512:528] = np.repeat(kmax, 4, axis=-1).astype("<f4").view(np.uint8)
+    raw[np.asarray(pages)] = sel
+    return dataclasses.replace(inputs, k_cache=raw)
+
+
 def with_scales_not_powers_of_two(inputs: DecodeInputs, rng) -> DecodeInputs:
     """fp8_ds_mla inputs whose token scales are multiplied by factors in [1, 2): a cache as another writer leaves it,
     with fp32 scales (e.g. amax / 448) that are not powers of two. The e4m3 bytes stay, so every value moves by its

@@ -64,10 +64,32 @@ def replace(kind="bf16", **changes):
     (dict(head_dim_v="512"), ValueError, "head_dim_v must be 512 .* got '512'"),
     (dict(causal=1), TypeError, "causal must be a Python bool"),
     (dict(implementation="fast"), ValueError, "implementation must be one of"),
+    (dict(ds_scales="tile"), ValueError, "ds_scales must be 'group' or 'token', got 'tile'"),
+    (dict(ds_scales="token"), ValueError, "ds_scales='token' is only used by kv_format='fp8_ds_mla', got 'bf16'"),
 ])
 def test_bad_arguments_raise_naming_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         call(**replace(**changes))
+
+
+def test_ds_scales_does_not_change_the_reference():
+    """ds_scales picks the kernel's decoder for fp8_ds_mla; the reference reads every cache alike, and a cache written
+    with one scale per token decodes within e4m3's rounding of the per-group one."""
+    kw = inputs("fp8_ds_mla")
+    group = call(**kw, implementation="reference")
+    token = call(**kw, implementation="reference", ds_scales="token")
+    for a, b in zip(group, token):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    latent = jax.random.normal(jax.random.key(1), (BLOCKS, 64, H_KV, 576), jnp.float32)
+    latent = latent.at[..., 128:256].multiply(2.0**-5).astype(jnp.bfloat16)  # a group below its token's largest
+    kw["k_cache"] = fm.quantize_kv_cache(latent, "fp8_ds_mla")
+    out_g, lse_g = call(**kw, implementation="reference")
+    kw["k_cache"] = fm.quantize_kv_cache(latent, "fp8_ds_mla", ds_scales="token")
+    out_t, lse_t = call(**kw, implementation="reference", ds_scales="token")
+    out_g, out_t = (np.asarray(x.astype(jnp.float32)) for x in (out_g, out_t))
+    rel = np.linalg.norm(out_t - out_g) / np.linalg.norm(out_g)
+    assert 0 < rel < 3e-2  # that group's values rounded again at its token's scale, nothing more
+    np.testing.assert_allclose(np.asarray(lse_t), np.asarray(lse_g), rtol=1e-2)
 
 
 @pytest.mark.parametrize("changes, error, match", [

@@ -74,7 +74,7 @@ from jax_flash_mla import _ffi, hlo
 from jax_flash_mla.accuracy import README_EMULATION, README_KERNEL, REGRESSION_FACTOR
 import stale_schedules
 from oracle import (GARBAGE_BLOCK, SOFTMAX_SCALE, make_decode_inputs, oracle_decode, round_q_like_ds_mla_kernel,
-                    with_scales_not_powers_of_two)
+                    with_scales_not_powers_of_two, with_token_scales)
 
 # JAX_FLASH_MLA_REQUIRE_GPU=1 (scripts/gpu_check.sh) turns the skips into failures: a format that did not build or
 # load then fails its tests instead of passing them silently. FP8 formats left out on purpose
@@ -159,10 +159,10 @@ def _seqlens(rng, b, spec):
     return np.asarray(spec, np.int32)
 
 
-def _run(inp, causal, implementation):
+def _run(inp, causal, implementation, **extra):
     args, kwargs = inp.kernel_args()
     return jax.block_until_ready(fm.flash_mla_with_kvcache(
-        *args, softmax_scale=SOFTMAX_SCALE, causal=causal, implementation=implementation, **kwargs))
+        *args, softmax_scale=SOFTMAX_SCALE, causal=causal, implementation=implementation, **kwargs, **extra))
 
 
 def _references(inp, causal):
@@ -537,3 +537,52 @@ def test_fp8_ds_mla_long_chunk_pv_accumulation(dist):
     assert rel <= DS_MLA_FACTOR * DS_MLA_A_32K[dist], f"rel-L2 {rel:.3e} vs A {DS_MLA_A_32K[dist]:.2e}"
     assert rel <= DS_MLA_CAP
     assert rel_ref <= TOLS["fp8_ds_mla"]["rel_l2"]
+
+
+# fp8_ds_mla's second decoder, ds_scales="token" (design S on the page pairs, docs/DESIGN.md "Design S on the page
+# pairs: the build"): one FP8 + bf16 accumulator per page once the producer's prep warps have divided the RoPE slab
+# by the tokens' scales. Its numerics are design A's up to the scale granularity (per token instead of per group, and
+# the same q rounding), so the same tolerances hold. Caches: "token" (every page written with one scale per token,
+# the fast path), "group" (the package's per-group cache: every page re-expressed by the prep warps first), "mixed"
+# (every other cache page token-scaled; the block tables are shuffled, so chunks switch at random), and "ramp" (token
+# scales growing along each sequence, so the running N grows and O is rescaled). Shapes with at most 16 query rows per
+# KV head run design A's few-rows kernel (the decoder has no few-rows variant).
+DS_TOKEN_CASES = [
+    _case(6, 1, 128, 1, [4096, 140, 0, 77, 2049, 1000], False),
+    _case(2, 2, 64, 1, [4096, 20], True),
+    _case(4, 4, 16, 2, "varlen", True),
+    _case(3, 1, 126, 1, [140, 3000, 64], False),
+    _case(2, 1, 16, 1, [1000, 77], False),  # 16 rows: design A's few-rows kernel
+]
+
+
+@pytest.mark.parametrize("cache", ["token", "group", "mixed", "ramp"])
+@pytest.mark.parametrize("b, s_q, h_q, h_kv, seqlens, causal", DS_TOKEN_CASES)
+@pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
+def test_fp8_ds_mla_token_scales_decoder(b, s_q, h_q, h_kv, seqlens, causal, cache):
+    rng = np.random.default_rng(zlib.crc32(f"{b}-{s_q}-{h_q}-{h_kv}-{cache}".encode()))
+    gain = (lambda j, n: 2.0 ** (3 * j / max(n - 1, 1) - 4)) if cache == "ramp" else None
+    inp = make_decode_inputs(rng, b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, seqlens=_seqlens(rng, b, seqlens),
+                             kv_format="fp8_ds_mla", page_gain=gain)
+    num_blocks = inp.k_cache.shape[0]
+    if cache != "group":
+        inp = with_token_scales(inp, np.arange(num_blocks) % 2 == 0 if cache == "mixed" else np.ones(num_blocks, bool))
+    out, lse = _run(inp, causal, "kernel", ds_scales="token")
+    ref_out, ref_lse = _references(inp, causal)
+    _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
+    again = _run(inp, causal, "kernel", ds_scales="token")
+    np.testing.assert_array_equal(np.asarray(again[0]).view(np.uint16), np.asarray(out).view(np.uint16))
+
+
+@pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
+def test_fp8_ds_mla_token_scales_decoder_is_lowered():
+    """ds_scales="token" lowers to the design-S target, "group" to design A's."""
+    inp = make_decode_inputs(np.random.default_rng(3), b=2, s_q=1, h_q=64, h_kv=1, seqlens=[300, 64],
+                             kv_format="fp8_ds_mla")
+    args, kwargs = inp.kernel_args()
+    for ds_scales in ("group", "token"):
+        fn = jax.jit(lambda *a: fm.flash_mla_with_kvcache(*a, softmax_scale=SOFTMAX_SCALE, implementation="kernel",
+                                                          ds_scales=ds_scales, **kwargs))
+        text = fn.lower(*args).as_text()
+        assert _ffi.decode_target("fp8_ds_mla", ds_scales) in text
+        assert ds_scales == "token" or _ffi.decode_target("fp8_ds_mla", "token") not in text

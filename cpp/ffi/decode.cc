@@ -75,6 +75,10 @@ struct FormatSpec<KvFormat::kFp8DsMla> {
   static constexpr bool kUsesDescale = false;
 };
 
+// Design S reads the same bytes.
+template <>
+struct FormatSpec<KvFormat::kFp8DsMlaTokenScales> : FormatSpec<KvFormat::kFp8DsMla> {};
+
 template <KvFormat kFormat>
 ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer block_table,
                        ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer sched_meta, ffi::AnyBuffer num_splits,
@@ -176,7 +180,16 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_c
   p.num_splits = static_cast<const int32_t*>(num_splits.untyped_data());
   p.stream = stream;
 
-  JFM_RETURN_IF_ERROR(ffi_util::launch("decode kernel", [&] { sm90::run_splitkv_mla<kFormat>(p); }));
+  JFM_RETURN_IF_ERROR(ffi_util::launch("decode kernel", [&] {
+    // Design S has no few-rows kernel: those shapes keep design A's (consumer_narrow).
+    if constexpr (kFormat == KvFormat::kFp8DsMlaTokenScales) {
+      if (p.q_rows_per_head_k <= sm90::kDsNarrowRows) {
+        sm90::run_splitkv_mla<KvFormat::kFp8DsMla>(p);
+        return;
+      }
+    }
+    sm90::run_splitkv_mla<kFormat>(p);
+  }));
   return ffi_util::launch("combine kernel", [&] { run_combine(p); });
 }
 
@@ -216,5 +229,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashMlaDecodeFp8PerTensor,
 #ifdef JAX_FLASH_MLA_HAS_FP8_DS_MLA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashMlaDecodeFp8DsMla,
                               jax_flash_mla::decode_impl<jax_flash_mla::config::KvFormat::kFp8DsMla>,
+                              jax_flash_mla::decode_binding(), {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashMlaDecodeFp8DsMlaTokenScales,
+                              jax_flash_mla::decode_impl<jax_flash_mla::config::KvFormat::kFp8DsMlaTokenScales>,
                               jax_flash_mla::decode_binding(), {xla::ffi::Traits::kCmdBufferCompatible});
 #endif

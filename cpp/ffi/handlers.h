@@ -17,4 +17,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashMlaDecodeFp8PerTensor);
 #endif
 #ifdef JAX_FLASH_MLA_HAS_FP8_DS_MLA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashMlaDecodeFp8DsMla);
+// "jax_flash_mla_decode_fp8_ds_mla_token_scales": the same operands, design S on the page pairs (fast on caches with
+// one scale per token; any fp8_ds_mla cache reads correctly).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashMlaDecodeFp8DsMlaTokenScales);
 #endif

@@ -42,6 +42,7 @@ nb::dict registrations() {
 #endif
 #ifdef JAX_FLASH_MLA_HAS_FP8_DS_MLA
   d["jax_flash_mla_decode_fp8_ds_mla"] = handler_capsule(JaxFlashMlaDecodeFp8DsMla);
+  d["jax_flash_mla_decode_fp8_ds_mla_token_scales"] = handler_capsule(JaxFlashMlaDecodeFp8DsMlaTokenScales);
 #endif
   return d;
 }

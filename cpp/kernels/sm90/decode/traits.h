@@ -390,7 +390,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
-  // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits).
+  // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits; splitkv_mla.h: kDsNarrowRows).
   static constexpr int kNarrowRows = 16;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
