@@ -17,13 +17,16 @@ from .quant import quantize_kv_cache
 FP8_MAX = 448.0  # largest float8_e4m3fn value
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def format_inputs(kv_format, q, latent):
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def format_inputs(kv_format, q, latent, ds_scales="group"):
     """(q, cache, descales) of `kv_format` from bf16 q and latent.
 
     fp8_per_tensor descales are amax / 448 of q and of the latent, as a serving loop with calibrated amax picks them
-    (the convention of `python -m jax_flash_mla`); the other formats take q as it is and no descales.
+    (the convention of `python -m jax_flash_mla`); the other formats take q as it is and no descales. With
+    ds_scales="token", fp8_ds_mla's cache carries one scale per token (for its design-S decoder).
     """
+    if kv_format == "fp8_ds_mla":
+        return q, quantize_kv_cache(latent, kv_format, ds_scales=ds_scales), {}
     if kv_format != "fp8_per_tensor":
         return q, quantize_kv_cache(latent, kv_format), {}
     descale_q = jnp.max(jnp.abs(q.astype(jnp.float32))) / FP8_MAX

@@ -387,13 +387,14 @@ def build_problem(shape: Shape, lengths, sets: int, rng, key):
     return q_sets, latent, jnp.asarray(tables)
 
 
-def decode_step(shape: Shape, kv_format: str, implementation: str):
+def decode_step(shape: Shape, kv_format: str, implementation: str, ds_scales: str = "group"):
     """Decode with input set i % sets; the block table carries the checksum dependency."""
+    extra = {"ds_scales": ds_scales} if kv_format == "fp8_ds_mla" else {}
     def step(i, checksum, q_sets, tables, cache, seqlens, meta, scales):
         j = i % q_sets.shape[0]
         return flash_mla_with_kvcache(q_sets[j], cache, depend(tables[j], checksum), seqlens, HEAD_DIM_V, meta,
                                       causal=shape.causal, kv_format=kv_format, implementation=implementation,
-                                      **scales)
+                                      **scales, **extra)
     return step
 
 
@@ -444,7 +445,7 @@ def result_row(shape: Shape, kv_format, path, timing: Timing, lengths, ceilings:
 
 
 def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_reference, ceilings, iters, repeats,
-                progress: Progress, seed, unroll=False, trace_root=None, pause_s=0.0, trace_runs=1):
+                progress: Progress, seed, unroll=False, trace_root=None, pause_s=0.0, trace_runs=1, ds_scales="group"):
     """Times every (format, path) of one shape; returns CSV rows, plus rows with no_kernel=True for the table.
 
     `trace_root`: each kernel case is also traced, into <trace_root>/<shape>_<format>, for `decode_kernel_times`.
@@ -466,7 +467,7 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
     usable = kernel_formats()
     rows = []
     for kv_format in kv_formats:
-        q_in, cache, scales = format_inputs(kv_format, q_sets, latent)
+        q_in, cache, scales = format_inputs(kv_format, q_sets, latent, ds_scales)
         if kv_format not in usable:
             rows.append(dict(shape=shape.name, format=kv_format, path="kernel", no_kernel=True))
         paths = (["kernel"] if kv_format in usable else []) + ([] if skip_reference else ["reference"])
@@ -474,7 +475,8 @@ def bench_shape(shape: Shape, kv_formats, *, batch, seqlen, anchors, skip_refere
         for path in paths:
             traced = trace_root and path == "kernel"
             trace_dir = os.path.join(trace_root, f"{shape.name}_{kv_format}") if traced else None
-            timing = time_per_call(decode_step(shape, kv_format, path), (q_in, tables, cache, seqlens, meta, scales),
+            timing = time_per_call(decode_step(shape, kv_format, path, ds_scales),
+                                   (q_in, tables, cache, seqlens, meta, scales),
                                    iters=iters, repeats=repeats, unroll=unroll, trace_dir=trace_dir, pause_s=pause_s,
                                    trace_runs=trace_runs)
             kernel_times = decode_kernel_times(trace_events(trace_dir), iters) if trace_dir else NO_KERNEL_TIMES
@@ -593,6 +595,9 @@ def main(argv=None):
     parser.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
                         help="let the GPU idle this long before each timed run of a decode (default 0: runs back to "
                              "back); the profiled run of --trace follows the profiler's start-up, an idle time too")
+    parser.add_argument("--ds-scales", choices=("group", "token"), default="group",
+                        help="fp8_ds_mla: a cache with one scale per 128 channels (default) or per token, decoded by "
+                             "the decoder of that name (flash_mla_with_kvcache's ds_scales)")
     parser.add_argument("--csv", help="CSV path (default bench.csv under $OUT, else the cwd)")
     parser.add_argument("--png", help="PNG path (default bench.png under $OUT, else the cwd)")
     args = parser.parse_args(argv)
@@ -604,6 +609,8 @@ def main(argv=None):
         parser.error("--trace-runs must be between 1 and 100, and needs --trace")
     usable = kernel_formats()
     device = f"jax {jax.__version__} on {jax.devices()[0].device_kind}; kernels usable: {sorted(usable) or 'none'}"
+    if args.ds_scales == "token":
+        device += "; fp8_ds_mla with token scales (ds_scales='token')"
     if os.environ.get("XLA_FLAGS"):
         device += f"; XLA_FLAGS={os.environ['XLA_FLAGS']}"
     Progress.note(device)
@@ -617,7 +624,7 @@ def main(argv=None):
         rows += bench_shape(SHAPES[name], args.formats, batch=batch, seqlen=seqlen, anchors=anchors,
                             skip_reference=args.skip_reference, ceilings=ceilings, iters=iters, repeats=repeats,
                             progress=progress, seed=args.seed, unroll=args.unroll, trace_root=trace_root,
-                            pause_s=args.pause, trace_runs=args.trace_runs)
+                            pause_s=args.pause, trace_runs=args.trace_runs, ds_scales=args.ds_scales)
 
     measured = [r for r in rows if not r.get("no_kernel")]
     csv_path, png_path = output_path(args.csv, "bench.csv"), output_path(args.png, "bench.png")
