@@ -102,7 +102,8 @@ def test_bench_trace_cli(tmp_path, monkeypatch, capsys):
     table gets its span column after max."""
     real_step = bench.decode_step
     monkeypatch.setattr(bench, "kernel_formats", lambda: frozenset({"bf16"}))
-    monkeypatch.setattr(bench, "decode_step", lambda shape, kv_format, path: real_step(shape, kv_format, "reference"))
+    monkeypatch.setattr(bench, "decode_step",
+                        lambda shape, kv_format, path, *rest: real_step(shape, kv_format, "reference", *rest))
     bench.main(["--quick", "--shapes", "M1", "--formats", "bf16", "--batch", "1", "--seqlen", "64", "--iters", "1",
                 "--repeats", "1", "--skip-reference", "--trace", str(tmp_path / "trace"), "--trace-runs", "2",
                 "--csv", str(tmp_path / "b.csv"), "--png", str(tmp_path / "b.png")])

@@ -41,7 +41,8 @@ def test_bench_kernel_rows(tmp_path, monkeypatch):
     the reference here, as CPUs have no kernel)."""
     real_step = bench.decode_step
     monkeypatch.setattr(bench, "kernel_formats", lambda: frozenset({"bf16"}))
-    monkeypatch.setattr(bench, "decode_step", lambda shape, kv_format, path: real_step(shape, kv_format, "reference"))
+    monkeypatch.setattr(bench, "decode_step",
+                        lambda shape, kv_format, path, *rest: real_step(shape, kv_format, "reference", *rest))
     rows = bench.main(["--quick", "--shapes", "C1", "--formats", "bf16", "--batch", "1", "--seqlen", "64",
                        "--iters", "1", "--repeats", "1", "--csv", str(tmp_path / "b.csv"),
                        "--png", str(tmp_path / "b.png")])
