@@ -19,6 +19,21 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
   if constexpr (Tr::kTokenScales) {
     const DecodeParams& p = args.params;
     const int lane = t % 32;
+    // f on every 32-bit word of the 128 bytes at `row` (shared), 16 bytes at a time, in place.
+    auto transform_row = [](uint32_t row, auto f) {
+#pragma unroll 1
+      for (int piece = 0; piece < 8; ++piece) {
+        uint4 w;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                     : "r"(row + 16 * piece)
+                     : "memory");
+        w = make_uint4(f(w.x), f(w.y), f(w.z), f(w.w));
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + 16 * piece), "r"(w.x), "r"(w.y), "r"(w.z),
+                     "r"(w.w)
+                     : "memory");
+      }
+    };
     int it = 0;  // ring position, as the producer thread's
     for_each_chunk(p, meta, [&](const Chunk& c) {
       float running_n = 0.f;
@@ -44,24 +59,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
           // Row t of the RoPE slab: 128 contiguous bytes (the 128-byte swizzle permutes 16-byte pieces within it).
           const float inv = 1.f / k;
           const __nv_bfloat162 f = __floats2bfloat162_rn(inv, inv);
-          const uint32_t row = smem_addr(slot + Tr::kRopeOffset + t * 2 * Tr::kHeadDimRope);
-#pragma unroll 1
-          for (int piece = 0; piece < 8; ++piece) {
-            uint4 w;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                         : "r"(row + 16 * piece)
-                         : "memory");
-            uint32_t* v = reinterpret_cast<uint32_t*>(&w);
-            for (int j = 0; j < 4; ++j) {
-              __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&v[j]);
-              x = __hmul2(x, f);
-              v[j] = *reinterpret_cast<const uint32_t*>(&x);
-            }
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + 16 * piece), "r"(w.x), "r"(w.y),
-                         "r"(w.z), "r"(w.w)
-                         : "memory");
-          }
+          transform_row(smem_addr(slot + Tr::kRopeOffset + t * 2 * Tr::kHeadDimRope), [&](uint32_t word) {
+            const __nv_bfloat162 x = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word), f);
+            return *reinterpret_cast<const uint32_t*>(&x);
+          });
         }
         // The page's largest k and its vote: positive floats order as their bits.
         const uint32_t max_bits = __reduce_max_sync(0xffffffffu, valid ? __float_as_uint(k) : 0u);
@@ -84,30 +85,16 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
             // Token t's 512 NoPE bytes: slab g / 1 (128-byte slabs of 64 token rows), row t, in 16-byte pieces.
 #pragma unroll 1
             for (int g = 0; g < Tr::kNumGroups; ++g) {
-              const __half2 r = __float2half2_rn(s4[g] / k);
-              const uint32_t row = smem_addr(slot + g * Tr::kNopeSlabBytes + t * Tr::kTmaBoxElems);
-#pragma unroll 1
-              for (int piece = 0; piece < 8; ++piece) {
-                uint4 w;
-                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                             : "r"(row + 16 * piece)
-                             : "memory");
-                uint32_t* v = reinterpret_cast<uint32_t*>(&w);
-                for (int j = 0; j < 4; ++j) {
-                  uint32_t lo, hi;
-                  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n"
-                      " cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
-                      : "=r"(lo), "=r"(hi)
-                      : "r"(v[j]));
-                  lo = mul_half2(lo, *reinterpret_cast<const uint32_t*>(&r));
-                  hi = mul_half2(hi, *reinterpret_cast<const uint32_t*>(&r));
-                  v[j] = pack_e4m3x4_h2(lo, hi);
-                }
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + 16 * piece), "r"(w.x),
-                             "r"(w.y), "r"(w.z), "r"(w.w)
-                             : "memory");
-              }
+              const __half2 r2 = __float2half2_rn(s4[g] / k);
+              const uint32_t r = *reinterpret_cast<const uint32_t*>(&r2);
+              transform_row(smem_addr(slot + g * Tr::kNopeSlabBytes + t * Tr::kTmaBoxElems), [&](uint32_t word) {
+                uint32_t lo, hi;  // four e4m3 bytes as two f16 pairs (exact), times the ratio, back to e4m3
+                asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n"
+                    " cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+                    : "=r"(lo), "=r"(hi)
+                    : "r"(word));
+                return pack_e4m3x4_h2(mul_half2(lo, r), mul_half2(hi, r));
+              });
             }
           }
         }
