@@ -323,6 +323,13 @@ struct Traits<config::KvFormat::kFp8PerTensor> {
   __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.q); }
 };
 
+// fp8_ds_mla's plans take load_q_tma's boxes (raw bf16 q, nine 8 KB slabs of 64 rows x 64 channels) in their
+// V^T and P tiles, one region, idle between chunks: the tiles must be adjacent and hold all of q.
+template <class Plan, class QTmaElement>
+constexpr bool q_tma_fits_vt_and_p() {
+  return offsetof(Plan, p) == offsetof(Plan, vt) + sizeof(Plan::vt) &&
+         sizeof(Plan::vt) + sizeof(Plan::p) >= decode_cfg::kBlockM * decode_cfg::kHeadDimQK * sizeof(QTmaElement);
+}
 
 // fp8_ds_mla: 656-byte tokens (README §2 of shared/): bytes 0-511 e4m3 NoPE,
 // 512-527 four fp32 scales (scale g multiplies channels 128g..128g+127),
@@ -473,13 +480,10 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
-  // Where load_q_tma's boxes land (raw bf16 q, nine 8 KB slabs of 64 rows x
-  // 64 channels): the V^T and P tiles, one region.
-  static_assert(offsetof(SharedMemoryPlan, p) == offsetof(SharedMemoryPlan, vt) + sizeof(SharedMemoryPlan::vt) &&
-                    sizeof(SharedMemoryPlan::vt) + sizeof(SharedMemoryPlan::p) >=
-                        decode_cfg::kBlockM * decode_cfg::kHeadDimQK * sizeof(QTmaElement),
-                "q by TMA fits the V^T and P tiles");
-  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.vt); }
+  static_assert(q_tma_fits_vt_and_p<SharedMemoryPlan, QTmaElement>(), "q by TMA fits the V^T and P tiles");
+  // Design S's plan (Traits<kFp8DsMlaTokenScales>) has the same region, so this serves both.
+  template <class Plan>
+  __device__ static char* q_tma_destination(Plan& plan) { return reinterpret_cast<char*>(plan.vt); }
   static_assert(kKElems % 1024 == 0, "slots stay 1024-byte aligned");
 };
 
@@ -556,12 +560,8 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared-memory plan exceeds the sm_90 opt-in limit");
-  static_assert(offsetof(SharedMemoryPlan, p) == offsetof(SharedMemoryPlan, vt) + sizeof(SharedMemoryPlan::vt) &&
-                    sizeof(SharedMemoryPlan::vt) + sizeof(SharedMemoryPlan::p) >=
-                        decode_cfg::kBlockM * decode_cfg::kHeadDimQK * sizeof(QTmaElement),
-                "q by TMA fits the V^T and P tiles");
+  static_assert(q_tma_fits_vt_and_p<SharedMemoryPlan, QTmaElement>(), "q by TMA fits the V^T and P tiles");
   static_assert(kLeftBytes % 1024 == 0 && kKElems % 1024 == 0, "parts and slots stay 1024-byte aligned");
-  __device__ static char* q_tma_destination(SharedMemoryPlan& plan) { return reinterpret_cast<char*>(plan.vt); }
 };
 
 // ------------------------------------------------------------------ few query rows
