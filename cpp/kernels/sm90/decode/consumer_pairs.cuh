@@ -431,6 +431,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
             // V^T_B's last reader (the last pair's P_B V_B,L) retired
             // before this pair's S_A did.
             wait_part(ib, 0);
+            if constexpr (Tr::kTokenScales) mbarrier_wait(&plan.prepared[stage_of(ib)], phase_of(ib));  // as WG1's A
             transpose_v<Tr>(plan.k[stage_of(ib)], plan.vt[1], plan.zeros, 0, tid, c.end_token - (page + 1) * kBlockN);
             // That transpose was the left part's last read: S_B retired
             // before kPageAReady. Handing it back here rather than after
@@ -482,6 +483,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           // V^T_A,R was last read by the last pair's P_A V_A,R (retired);
           // V^T_B,R by its P_B V_B,R, queued before S_B.
           wait_part(ia, 1);
+          // Design S: WG0's S_A waited for A's prep, not this WG; the prep may rewrite NoPE bytes of the slot.
+          if constexpr (Tr::kTokenScales) mbarrier_wait(&plan.prepared[stage_of(ia)], phase_of(ia));
           transpose_v<Tr>(plan.k[stage_of(ia)], plan.vt[0], plan.zeros, 1, tid, c.end_token - page * kBlockN);
           // WG1's last read of A's right part (WG0 hands back its own, S_A's,
           // when S_A retires): ~330 ns before kPageAReady.
