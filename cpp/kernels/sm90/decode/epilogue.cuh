@@ -20,8 +20,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::share_row_sums(Plan& plan, c
 
 // After share_row_sums. A chunk that is its sequence's only split writes out (bf16) and lse
 // directly; otherwise o_accum / lse_accum at num_splits[b] + split_idx.
-// `scale` converts raw q.k to logits; `out_scale` (descale_k or 1)
-// multiplies the output, in partials alike.
+// `scale` converts raw q.k to logits; `out_scale` (descale_k, design S's
+// N / 16, or 1) multiplies the output, in partials alike.
 template <config::KvFormat kFormat, bool kNarrow>
 template <class FragO, class CoordO>
 __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams& p, Plan& plan, const Chunk& c,
@@ -43,7 +43,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::epilogue(const DecodeParams&
   for (int h = 0; h < 2; ++h) {
     const float l = plan.row_sum[0][rows[h]] + plan.row_sum[1][rows[h]];
     seen[h] = l > 0.f;
-    if constexpr (Tr::kUsesDescale) {
+    if constexpr (Tr::kUsesDescale || Tr::kTokenScales) {  // design S: out_scale carries O's units, N / 16
       inv[h] = seen[h] ? out_scale / l : 0.f;
     } else {
       inv[h] = seen[h] ? 1.f / l : 0.f;
