@@ -1,14 +1,15 @@
 // Design S on the page pairs (Traits<kFp8DsMlaTokenScales>): the producer warpgroup's warps 1 and 2 prepare each
-// page the producer thread loads, one token a thread, so that the consumers' S is one accumulator (traits.h):
+// page the producer thread loads, so that the consumers' S is one accumulator (traits.h). One token a thread:
 //   - k[t] = the token's largest scale, into the slot's page table, with the chunk's running N = max k so far;
+// Then the slot's rows, eight threads a row:
 //   - the RoPE slab's row t divided by k[t] in place (bf16: exact for the power-of-two scales of the reference
 //     quantizer, short of underflow; one bf16 rounding for other scales);
-//   - on a page where some valid token's four scales differ (a per-group cache, FlashMLA's writer), every such
-//     token's NoPE bytes re-expressed at k[t]: e4m3(x8 * scale_g / k[t]) through f16 (exact for power-of-two
-//     ratios while the result stays an e4m3 normal; e4m3's rounding otherwise). Correct for any cache, and slow:
-//     such caches belong to design A (consumer_ds).
+//   - on a page where some valid token's four scales differ (a per-group cache, FlashMLA's writer), each group
+//     whose scale is not its token's k re-expressed at k[t]: e4m3(x8 * scale_g / k[t]) through f16 (exact for
+//     power-of-two ratios while the result stays an e4m3 normal; e4m3's rounding otherwise). Correct for any
+//     cache, and slow: such caches belong to design A (consumer_ds).
 // Then the slot's `prepared` barrier. Member definitions of SplitKvMlaKernel<kFormat, kNarrow> (splitkv_mla.cuh),
-// which includes this file after the class; not a standalone header. (WIP, session 63: compiled, not run.)
+// which includes this file after the class; not a standalone header.
 #pragma once
 
 namespace jax_flash_mla::sm90 {
@@ -19,19 +20,38 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
   if constexpr (Tr::kTokenScales) {
     const DecodeParams& p = args.params;
     const int lane = t % 32;
-    // f on every 32-bit word of the 128 bytes at `row` (shared), 16 bytes at a time, in place.
-    auto transform_row = [](uint32_t row, auto f) {
+    // f(row, word) on every 32-bit word of a slab's 64 rows of 128 bytes (shared, in place), the prep threads
+    // cooperating: eight threads a row, 16 bytes each, so a quarter-warp's accesses cover one row's 32 banks. One
+    // row a thread put a quarter-warp's eight rows on the same four banks (eight-way conflicts), one dependent load
+    // at a time: that RoPE division was 22 % of C1's time (session 65, knockout dssr). Loads go out kInFlight at a
+    // time (the producer warpgroup keeps 24 registers).
+    // The swizzle only permutes 16-byte pieces within a row, which an elementwise f ignores. f returns false to
+    // leave a piece as it was.
+    constexpr int kRowsPerPass = Tr::kPrepWarps * 32 / 8;
+    constexpr int kPasses = kBlockN / kRowsPerPass;
+    constexpr int kInFlight = 2;
+    const int piece = t % 8;
+    auto transform_slab = [&](uint32_t slab, auto f) {
 #pragma unroll 1
-      for (int piece = 0; piece < 8; ++piece) {
-        uint4 w;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-                     : "r"(row + 16 * piece)
-                     : "memory");
-        w = make_uint4(f(w.x), f(w.y), f(w.z), f(w.w));
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + 16 * piece), "r"(w.x), "r"(w.y), "r"(w.z),
-                     "r"(w.w)
-                     : "memory");
+      for (int j0 = 0; j0 < kPasses; j0 += kInFlight) {
+        uint4 w[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+          const uint32_t at = slab + ((j0 + j) * kRowsPerPass + t / 8) * 128 + 16 * piece;
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(w[j].x), "=r"(w[j].y), "=r"(w[j].z), "=r"(w[j].w)
+                       : "r"(at)
+                       : "memory");
+        }
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+          const int row = (j0 + j) * kRowsPerPass + t / 8;
+          if (f(row, w[j])) {
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slab + row * 128 + 16 * piece),
+                         "r"(w[j].x), "r"(w[j].y), "r"(w[j].z), "r"(w[j].w)
+                         : "memory");
+          }
+        }
       }
     };
     int it = 0;  // ring position, as the producer thread's
@@ -55,15 +75,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
         const float k = largest > 0.f ? largest : 1.f;
         const bool uniform = !valid || (s4[0] == k && s4[1] == k && s4[2] == k && s4[3] == k);
         table.k[t] = k;
-        if (valid) {
-          // Row t of the RoPE slab: 128 contiguous bytes (the 128-byte swizzle permutes 16-byte pieces within it).
-          const float inv = 1.f / k;
-          const __nv_bfloat162 f = __floats2bfloat162_rn(inv, inv);
-          transform_row(smem_addr(slot + Tr::kRopeOffset + t * 2 * Tr::kHeadDimRope), [&](uint32_t word) {
-            const __nv_bfloat162 x = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word), f);
-            return *reinterpret_cast<const uint32_t*>(&x);
-          });
-        }
         // The page's largest k and its vote: positive floats order as their bits.
         const uint32_t max_bits = __reduce_max_sync(0xffffffffu, valid ? __float_as_uint(k) : 0u);
         const bool warp_uniform = __all_sync(0xffffffffu, uniform);
@@ -79,23 +90,42 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
           table.running_n = running_n > 0.f ? running_n : 1.f;
           table.shifted = !page_uniform;
         }
+        // Every row's RoPE divided by its k (table.k, whole behind kPrepExchange; 1 on rows past the sequence).
+        transform_slab(smem_addr(slot + Tr::kRopeOffset), [&](int row, uint4& w) {
+          const float inv = __frcp_rn(table.k[row]);  // = 1 / k, rounded once
+          const __nv_bfloat162 f = __floats2bfloat162_rn(inv, inv);
+          auto mul = [&](uint32_t& word) {
+            const __nv_bfloat162 x = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word), f);
+            word = *reinterpret_cast<const uint32_t*>(&x);
+          };
+          mul(w.x), mul(w.y), mul(w.z), mul(w.w);
+          return true;
+        });
         if (!page_uniform) {
           mbarrier_wait(&plan.k_full[stage][0], phase);  // NoPE slabs 0-1
-          if (!uniform) {
-            // Token t's 512 NoPE bytes: slab g / 1 (128-byte slabs of 64 token rows), row t, in 16-byte pieces.
+          // Slab g's valid rows whose scale g is not their k: four e4m3 bytes at a time as two f16 pairs (exact),
+          // times scale_g / k, back to e4m3.
+          const int valid_rows = c.end_token - page * kBlockN;
 #pragma unroll 1
-            for (int g = 0; g < Tr::kNumGroups; ++g) {
-              const __half2 r2 = __float2half2_rn(s4[g] / k);
+          for (int g = 0; g < Tr::kNumGroups; ++g) {
+            transform_slab(smem_addr(slot + g * Tr::kNopeSlabBytes), [&](int row, uint4& w) {
+              const float k_row = table.k[row];
+              const float s_g = clean(*reinterpret_cast<const float*>(slot + Tr::kScaleOffset +
+                                                                      row * Tr::kScaleRowBytes + 4 * g));
+              if (row >= valid_rows || s_g == k_row) return false;
+              const __half2 r2 = __float2half2_rn(s_g / k_row);
               const uint32_t r = *reinterpret_cast<const uint32_t*>(&r2);
-              transform_row(smem_addr(slot + g * Tr::kNopeSlabBytes + t * Tr::kTmaBoxElems), [&](uint32_t word) {
-                uint32_t lo, hi;  // four e4m3 bytes as two f16 pairs (exact), times the ratio, back to e4m3
+              auto shift = [&](uint32_t& word) {
+                uint32_t lo, hi;
                 asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n"
                     " cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
                     : "=r"(lo), "=r"(hi)
                     : "r"(word));
-                return pack_e4m3x4_h2(mul_half2(lo, r), mul_half2(hi, r));
-              });
-            }
+                word = pack_e4m3x4_h2(mul_half2(lo, r), mul_half2(hi, r));
+              };
+              shift(w.x), shift(w.y), shift(w.z), shift(w.w);
+              return true;
+            });
           }
         }
         // The RoPE and NoPE writes are read by WGMMA (the async proxy); the table by the consumers' loads.

@@ -533,7 +533,7 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
     uint32_t warp_max[2];      // the two prep warps' largest k (float bits), combined behind kPrepExchange
     uint32_t warp_uniform[2];  // and whether all their tokens' four scales were equal
   };
-  // The producer warpgroup's warps 1 and 2 prepare the pages (ds_page_prep.cuh), one token a thread.
+  // The producer warpgroup's warps 1 and 2 prepare the pages (ds_page_prep.cuh).
   static constexpr int kPrepWarps = 2;
 
   struct SharedMemoryPlan {
