@@ -60,7 +60,13 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // The two rows this thread holds (fragment row halves 0 and 1).
   const int rows[2] = {int(get<0>(tScS(0))), int(get<0>(tScS(2)))};
   constexpr int kSteps = decltype(size<2>(tSrQ))::value;
-  auto stage_of_ring = [](int i) { return i % Tr::kNumStages; };
+  auto table_of = [](int i) {  // design S: page i's table (traits.h, kTableSlots)
+    if constexpr (Tr::kTokenScales) {
+      return i % Tr::kTableSlots;
+    } else {
+      return 0;
+    }
+  };
   // Design S (Tr::kTokenScales, traits.h): q's row scales (load_q_ds, per chunk), the token factors of a page
   // from its page table, and the running N that this WG's O is in units of (O holds O_true * 16 / n_ref).
   float q_row_scale[2] = {1.f, 1.f};
@@ -69,7 +75,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   auto kf_of = [](int v) { return 2 * (v / 4) + v % 2; };
   auto load_token_factors = [&](int i, float (&kf)[16]) {
     if constexpr (Tr::kTokenScales) {
-      const uint32_t base = smem_addr(&plan.table[stage_of_ring(i)].k[0]) + uint32_t(8 * (lane % 4));
+      const uint32_t base = smem_addr(&plan.table[table_of(i)].k[0]) + uint32_t(8 * (lane % 4));
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
         asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(kf[2 * j]), "=f"(kf[2 * j + 1]) : "r"(base + 32 * j)
@@ -85,7 +91,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   // unscaled p, keep the row-max factor alone).
   auto adopt_n = [&](int i, float (&factor)[2]) {
     if constexpr (Tr::kTokenScales) {
-      const float n = plan.table[stage_of_ring(i)].running_n;
+      const float n = plan.table[table_of(i)].running_n;
       if (n_ref > 0.f && n != n_ref) {
         factor[0] *= n_ref / n;
         factor[1] *= n_ref / n;
@@ -97,7 +103,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   auto release_table = [&](int i) {
     if constexpr (Tr::kTokenScales) {
       __syncwarp();
-      mbarrier_arrive_if(&plan.table_empty[stage_of_ring(i)], lane == 0);
+      mbarrier_arrive_if(&plan.table_empty[table_of(i)], lane == 0);
     }
   };
 
@@ -249,7 +255,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // P = e4m3(p * k[t] * 16 / N): the factors read again here (held from the S, they cost registers).
         float kf[16];
         load_token_factors(i, kf);
-        const float to_n = Tr::kPNormalizer / plan.table[stage_of(i)].running_n;
+        const float to_n = Tr::kPNormalizer / plan.table[table_of(i)].running_n;
         store_p_e4m3<Tr, kBlockN / 16>(tile, tid / 32, lane, tP, [&](int v) { return kf[kf_of(v)] * to_n; }, 0);
       } else {
         store_p_e4m3<Tr, kBlockN / 16>(tile, tid / 32, lane, tP, [](int) { return 1.f; }, 0);

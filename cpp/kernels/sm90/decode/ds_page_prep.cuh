@@ -60,10 +60,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
       for (int page = c.first_page(); page < c.end_page(); ++page, ++it) {
         const int stage = it % Tr::kNumStages;
         const uint32_t phase = (it / Tr::kNumStages) & 1;
-        auto& table = plan.table[stage];
+        auto& table = plan.table[it % Tr::kTableSlots];
         char* slot = reinterpret_cast<char*>(plan.k[stage]);
         const bool valid = page * kBlockN + t < c.end_token;
-        mbarrier_wait(&plan.table_empty[stage], phase ^ 1);  // every consumer warp read this entry's last page
+        // Every consumer warp read this table's last page (kTableSlots pages ago).
+        mbarrier_wait(&plan.table_empty[it % Tr::kTableSlots], ((it / Tr::kTableSlots) & 1) ^ 1);
         mbarrier_wait(&plan.k_full[stage][1], phase);        // the scales, NoPE slabs 2-3 and the RoPE slab
         float4 s = make_float4(1.f, 1.f, 1.f, 1.f);
         if (valid) s = *reinterpret_cast<const float4*>(slot + Tr::kScaleOffset + t * Tr::kScaleRowBytes);

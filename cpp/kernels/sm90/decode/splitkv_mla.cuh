@@ -473,10 +473,8 @@ struct SplitKvMlaKernel {
         }
       }
       if constexpr (Tr::kTokenScales) {
-        for (int s = 0; s < Tr::kNumStages; ++s) {
-          mbarrier_init(&plan.prepared[s], Tr::kPrepWarps);
-          mbarrier_init(&plan.table_empty[s], kConsumers / 32);
-        }
+        for (int s = 0; s < Tr::kNumStages; ++s) mbarrier_init(&plan.prepared[s], Tr::kPrepWarps);
+        for (int s = 0; s < Tr::kTableSlots; ++s) mbarrier_init(&plan.table_empty[s], kConsumers / 32);
       }
       if constexpr (kQByTmaCapable) {
         mbarrier_init(&plan.q_full, 1);

@@ -535,6 +535,10 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
   };
   // The producer warpgroup's warps 1 and 2 prepare the pages (ds_page_prep.cuh).
   static constexpr int kPrepWarps = 2;
+  // Page tables ring twice as deep as the K slots: the prep of page i waits for the consumers to be done with page
+  // i - 4's table, long past, rather than page i - 2's, which WG1 hands back only as it issues page i's S (with
+  // kNumStages entries that put the prep's whole latency on WG1's chain once a pair).
+  static constexpr int kTableSlots = 2 * kNumStages;
 
   struct SharedMemoryPlan {
     alignas(1024) Element q[kQElems];
@@ -544,7 +548,7 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
     // P_A, P_B; the other two tiles' 8 KB only complete load_q_ds's staging copy of q (V^T and P, idle between
     // chunks, hold it).
     alignas(1024) Element p[4][kPElems];
-    alignas(16) PageTable table[kNumStages];
+    alignas(16) PageTable table[kTableSlots];
     alignas(16) Element zeros[16];  // one zero ldmatrix row: transpose_v's stale tokens
     float q_scale[decode_cfg::kBlockM];
     int row_lag[decode_cfg::kBlockM];  // written by load_q_ds (consumer_ds's causal limits); unread here
@@ -553,9 +557,9 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
     // Per slot: the prep warps are done with the page (table written, RoPE slab divided, NoPE shifted where
-    // needed); every consumer warp is done with its page table.
+    // needed). Per table: every consumer warp is done with it.
     alignas(8) uint64_t prepared[kNumStages];
-    alignas(8) uint64_t table_empty[kNumStages];
+    alignas(8) uint64_t table_empty[kTableSlots];
     alignas(8) uint64_t q_full, q_empty;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + 1024;
