@@ -137,7 +137,8 @@ class DecodeInputs:
 
 
 def make_decode_inputs(
-    rng, *, b, s_q, h_q, h_kv, seqlens, kv_format, num_blocks=None, dist="gaussian", descale_shape=(), page_gain=None
+    rng, *, b, s_q, h_q, h_kv, seqlens, kv_format, num_blocks=None, dist="gaussian", descale_shape=(), page_gain=None,
+    ds_scales="group",
 ):
     """Random decode inputs; the cache is quantized with the package's quantizer, the float64 copies decoded by hand.
 
@@ -146,7 +147,8 @@ def make_decode_inputs(
     ``gaussian``; ``rope_outliers`` (8 RoPE channels ×20 in K, ×5 in q); ``small_latent`` (NoPE ×0.05, RoPE ~1).
     fp8_per_tensor descales (shape ``descale_shape``, ``()`` or ``(1,)``) map the largest |value| to e4m3's 448.
     ``page_gain(j, n)``, if given, multiplies the latent of page j of an n-page sequence before quantization (a
-    magnitude ramp along the sequence: per-token scales that grow or shrink from page to page).
+    magnitude ramp along the sequence: per-token scales that grow or shrink from page to page). ``ds_scales`` is the
+    fp8_ds_mla quantizer's scale granularity (``quantize_kv_cache``'s argument).
     """
     seqlens = np.asarray(seqlens, np.int32)
     assert seqlens.shape == (b,) and dist in DISTS
@@ -181,7 +183,8 @@ def make_decode_inputs(
     else:
         q = q.astype(ml_dtypes.bfloat16)
         q64 = q.astype(np.float64)
-    k_cache = poison(np.asarray(quantize_kv_cache(latent, kv_format, descale_k)), kv_format, unused)
+    ds_kwargs = {"ds_scales": ds_scales} if kv_format == "fp8_ds_mla" else {}
+    k_cache = poison(np.asarray(quantize_kv_cache(latent, kv_format, descale_k, **ds_kwargs)), kv_format, unused)
     return DecodeInputs(
         q, k_cache, block_table, seqlens, descale_q, descale_k, q64, kv_format=kv_format, h_kv=h_kv
     )

@@ -442,12 +442,12 @@ DS_MLA_A_32K = {"gaussian": 2.82e-2, "small_latent": 3.70e-2}
 DS_MLA_FACTOR, DS_MLA_CAP = 1.1, 4e-2
 
 
-def _ds_mla_vs_oracle(dist, b, seqlen, metadata_num_sms=None):
-    """rel-L2 and max |dlse| of the fp8_ds_mla kernel against float64 on the unquantized (bf16) data, plus the
-    rel-L2 against the format's jnp reference."""
+def _ds_mla_vs_oracle(dist, b, seqlen, metadata_num_sms=None, ds_scales="group"):
+    """rel-L2 and max |dlse| of the fp8_ds_mla kernel (the decoder ds_scales names, on a cache quantized with those
+    scales) against float64 on the unquantized (bf16) data, plus the rel-L2 against the format's jnp reference."""
     h_q, seqlens = 64, np.full(b, seqlen, np.int32)
     ds = make_decode_inputs(np.random.default_rng(13), b=b, s_q=1, h_q=h_q, h_kv=1, seqlens=seqlens,
-                            kv_format="fp8_ds_mla", dist=dist)
+                            kv_format="fp8_ds_mla", dist=dist, ds_scales=ds_scales)
     raw = make_decode_inputs(np.random.default_rng(13), b=b, s_q=1, h_q=h_q, h_kv=1, seqlens=seqlens,
                              kv_format="bf16", dist=dist)
     np.testing.assert_array_equal(ds.block_table, raw.block_table)
@@ -456,7 +456,8 @@ def _ds_mla_vs_oracle(dist, b, seqlen, metadata_num_sms=None):
     if metadata_num_sms is not None:
         meta = fm.get_mla_metadata(args[3], h_q, 1, num_sms=metadata_num_sms)
     out, lse = jax.block_until_ready(fm.flash_mla_with_kvcache(
-        *args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=False, implementation="kernel", **kwargs))
+        *args, 512, meta, softmax_scale=SOFTMAX_SCALE, causal=False, implementation="kernel", ds_scales=ds_scales,
+        **kwargs))
     ref_out, _ = _run(ds, False, "reference")
     out = np.asarray(out.astype(jnp.float32))
     truth_out, truth_lse = oracle_decode(raw.q64, raw.kv64, raw.block_table, raw.cache_seqlens, SOFTMAX_SCALE,
@@ -466,13 +467,15 @@ def _ds_mla_vs_oracle(dist, b, seqlen, metadata_num_sms=None):
     return rel, dlse, _rel_l2(out, np.asarray(ref_out.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("ds_scales", ["group", "token"])
 @pytest.mark.parametrize("dist", ["gaussian", "rope_outliers", "small_latent"])
 @pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
-def test_fp8_ds_mla_error_vs_unquantized_oracle(dist):
+def test_fp8_ds_mla_error_vs_unquantized_oracle(dist, ds_scales):
     """The fp8_ds_mla kernel against float64 on the data before quantization, at NUMERICS.md's shape: within
-    1.1x the emulated F1 floor of the precision it computes in, and under 4e-2."""
-    rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=16, seqlen=4096)
-    print(f"[fp8_ds_mla vs float64, unquantized {dist}] rel-L2 {rel:.3e} (F1 {DS_MLA_F1[dist]:.2e}), "
+    1.1x the emulated F1 floor of the precision it computes in, and under 4e-2. Token scales (design S on a cache
+    quantized with one scale per token) emulate to the same floor (NUMERICS.md, "One scale per token")."""
+    rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=16, seqlen=4096, ds_scales=ds_scales)
+    print(f"[fp8_ds_mla {ds_scales} scales vs float64, unquantized {dist}] rel-L2 {rel:.3e} (F1 {DS_MLA_F1[dist]:.2e}), "
           f"max |dlse| {dlse:.3e}; vs the jnp reference {rel_ref:.3e}")
     assert rel <= DS_MLA_FACTOR * DS_MLA_F1[dist], f"rel-L2 {rel:.3e} vs F1 {DS_MLA_F1[dist]:.2e}"
     assert rel <= DS_MLA_CAP, f"rel-L2 {rel:.3e} > {DS_MLA_CAP}"
