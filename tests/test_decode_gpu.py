@@ -528,14 +528,15 @@ def test_fp8_ds_mla_scales_not_powers_of_two(s_q, h_q):
     _check(out, lse, ref_out, ref_lse, "fp8_ds_mla")
 
 
+@pytest.mark.parametrize("ds_scales", ["group", "token"])
 @pytest.mark.parametrize("dist", ["gaussian", "small_latent"])
 @pytest.mark.skipif(not _runs("fp8_ds_mla"), reason="the fp8_ds_mla kernel is not usable here")
-def test_fp8_ds_mla_long_chunk_pv_accumulation(dist):
+def test_fp8_ds_mla_long_chunk_pv_accumulation(dist, ds_scales):
     """32768 tokens in ONE chunk (metadata for a single SM: no split-KV), 512 pages through one CTA, whose P V
     accumulates in one FP8 WGMMA accumulator (1024 k-steps): the error stays at design A's promoted level, not the
-    drift an e8m13 truncating accumulator would show."""
-    rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=2, seqlen=32768, metadata_num_sms=1)
-    print(f"[fp8_ds_mla 32K tokens, one chunk, {dist}] rel-L2 {rel:.3e} (emulated A {DS_MLA_A_32K[dist]:.2e}), "
+    drift an e8m13 truncating accumulator would show. Both decoders accumulate P V that way."""
+    rel, dlse, rel_ref = _ds_mla_vs_oracle(dist, b=2, seqlen=32768, metadata_num_sms=1, ds_scales=ds_scales)
+    print(f"[fp8_ds_mla {ds_scales} scales, 32K tokens, one chunk, {dist}] rel-L2 {rel:.3e} (emulated A {DS_MLA_A_32K[dist]:.2e}), "
           f"max |dlse| {dlse:.3e}; vs the jnp reference {rel_ref:.3e}")
     assert rel <= DS_MLA_FACTOR * DS_MLA_A_32K[dist], f"rel-L2 {rel:.3e} vs A {DS_MLA_A_32K[dist]:.2e}"
     assert rel <= DS_MLA_CAP
