@@ -53,6 +53,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
   Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Tr::SmemLayoutQ{});
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // (MMA, 1, k-steps) descriptors
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  // Design S: the RoPE k-steps' own accumulator (the NoPE one is scaled by k[t] before the two add up).
+  Tensor tSrR = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{});
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<decode_cfg::kHeadDimVPerWG>>{}));
@@ -83,9 +85,10 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       }
     }
   };
-  // The scores as they leave the accumulator: S = acc * k[t] * qs[r].
-  auto token_score = [&](float acc, const float (&kf)[16], int v) {
-    return acc * (kf[kf_of(v)] * q_row_scale[fragment_row_half(v)]);
+  // The scores as they leave the accumulators: S = qs[r] * (k[t] * T + R'), T the NoPE dot product in units of
+  // the token's scale and R' the RoPE one with q's RoPE stored divided by qs (load_q_ds).
+  auto token_score = [&](float nope, float rope, const float (&kf)[16], int v) {
+    return fmaf(nope, kf[kf_of(v)], rope) * q_row_scale[fragment_row_half(v)];
   };
   // Folds page i's running N into this WG's O factor (O's units move from n_ref to N; the row sums, of the
   // unscaled p, keep the row-max factor alone).
@@ -93,8 +96,11 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     if constexpr (Tr::kTokenScales) {
       const float n = plan.table[table_of(i)].running_n;
       if (n_ref > 0.f && n != n_ref) {
-        factor[0] *= n_ref / n;
-        factor[1] *= n_ref / n;
+        // __fdividef: exact for the power-of-two scales of the package's quantizer, 2 ulp otherwise, and no
+        // IEEE slow-path call (whose calling convention spilled the consumers' registers).
+        const float shrink = __fdividef(n_ref, n);
+        factor[0] *= shrink;
+        factor[1] *= shrink;
       }
       n_ref = n;
     }
@@ -168,8 +174,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
     warpgroup_fence_operand(tSrS);
     stamp(args, wg, i, event_trace::kSWaitStart);
     if constexpr (Tr::kTokenScales) {
-      // Design S: the page whole and prepared (its RoPE slab divided by k[t], its NoPE shifted where its scales
-      // differed), then the 16 NoPE FP8 k-steps and the 4 RoPE bf16 k-steps into one accumulator.
+      // Design S: the page whole and prepared (its NoPE shifted where its scales differed), then the 16 NoPE FP8
+      // k-steps and the 4 RoPE bf16 k-steps, each into its own accumulator.
+      warpgroup_fence_operand(tSrR);
       mbarrier_wait(&plan.k_full[stage_of(i)][0], phase_of(i));
       mbarrier_wait(&plan.k_full[stage_of(i)][1], phase_of(i));
       mbarrier_wait(&plan.prepared[stage_of(i)], phase_of(i));
@@ -181,7 +188,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
       Tensor sKR = make_tensor(make_smem_ptr(reinterpret_cast<typename Tr::ElementRope*>(plan.k[stage_of(i)] +
                                                                                           Tr::kRopeOffset)),
                                typename Tr::SmemLayoutKRope{});
-      wgmma_k_steps(mma_rope, thr_rope.partition_fragment_A(sQR), thr_rope.partition_fragment_B(sKR), tSrS, true);
+      wgmma_k_steps(mma_rope, thr_rope.partition_fragment_A(sQR), thr_rope.partition_fragment_B(sKR), tSrR, false);
       warpgroup_commit_batch();
       return;
     }
@@ -255,7 +262,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // P = e4m3(p * k[t] * 16 / N): the factors read again here (held from the S, they cost registers).
         float kf[16];
         load_token_factors(i, kf);
-        const float to_n = Tr::kPNormalizer / plan.table[table_of(i)].running_n;
+        const float to_n = __fdividef(Tr::kPNormalizer, plan.table[table_of(i)].running_n);  // as in adopt_n
         store_p_e4m3<Tr, kBlockN / 16>(tile, tid / 32, lane, tP, [&](int v) { return kf[kf_of(v)] * to_n; }, 0);
       } else {
         store_p_e4m3<Tr, kBlockN / 16>(tile, tid / 32, lane, tP, [](int) { return 1.f; }, 0);
@@ -412,6 +419,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         // S_A, and (early S) the last pair's P_B V_B,L queued before it.
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
+        if constexpr (Tr::kTokenScales) warpgroup_fence_operand(tSrR);
         stamp(args, 0, ia, event_trace::kPairSRetired);
         if constexpr (Tr::kVNeedsTranspose) release(ia);  // S_A and V^T_A,L have read the left part
         release_part(ia, 1);  // S_A was WG0's last read of A's right part
@@ -419,7 +427,7 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
           float kf[16];
           load_token_factors(ia, kf);
           CUTE_UNROLL
-          for (int v = 0; v < size(tSrS); ++v) tSrS(v) = token_score(tSrS(v), kf, v);
+          for (int v = 0; v < size(tSrS); ++v) tSrS(v) = token_score(tSrS(v), tSrR(v), kf, v);
         }
         mask(tSrS, page);
         float page_max[2];
@@ -507,13 +515,14 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::consumer(const SplitKvArgs& 
         if (has_b) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
+          if constexpr (Tr::kTokenScales) warpgroup_fence_operand(tSrR);
           stamp(args, 1, ia, event_trace::kPairSRetired);
           if constexpr (Tr::kVNeedsTranspose) release(ib);  // S_B and V^T_B,R have read the right part
           if constexpr (Tr::kTokenScales) {
             float kf[16];
             load_token_factors(ib, kf);
             CUTE_UNROLL
-            for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = token_score(tSrS(v), kf, v);
+            for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = token_score(tSrS(v), tSrR(v), kf, v);
           } else {
             CUTE_UNROLL
             for (int v = 0; v < size(tSrS); ++v) tSrSb(v) = tSrS(v);

@@ -1,13 +1,10 @@
 // Design S on the page pairs (Traits<kFp8DsMlaTokenScales>): the producer warpgroup's warps 1 and 2 prepare each
-// page the producer thread loads, so that the consumers' S is one accumulator (traits.h). One token a thread:
-//   - k[t] = the token's largest scale, into the slot's page table, with the chunk's running N = max k so far;
-// Then the slot's rows, eight threads a row:
-//   - the RoPE slab's row t divided by k[t] in place (bf16: exact for the power-of-two scales of the reference
-//     quantizer, short of underflow; one bf16 rounding for other scales);
-//   - on a page where some valid token's four scales differ (a per-group cache, FlashMLA's writer), each group
-//     whose scale is not its token's k re-expressed at k[t]: e4m3(x8 * scale_g / k[t]) through f16 (exact for
-//     power-of-two ratios while the result stays an e4m3 normal; e4m3's rounding otherwise). Correct for any
-//     cache, and slow: such caches belong to design A (consumer_ds).
+// page the producer thread loads, so that the consumers' S needs one factor per token (traits.h). One token a
+// thread: k[t] = the token's largest scale, into the page's table, with the chunk's running N = max k so far.
+// On a page where some valid token's four scales differ (a per-group cache, FlashMLA's writer), the slot's rows
+// then, eight threads a row: each group whose scale is not its token's k re-expressed at k[t], e4m3(x8 * scale_g /
+// k[t]) through f16 (exact for power-of-two ratios while the result stays an e4m3 normal; e4m3's rounding
+// otherwise). Correct for any cache, and slow: such caches belong to design A (consumer_ds).
 // Then the slot's `prepared` barrier. Member definitions of SplitKvMlaKernel<kFormat, kNarrow> (splitkv_mla.cuh),
 // which includes this file after the class; not a standalone header.
 #pragma once
@@ -21,10 +18,9 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
     const DecodeParams& p = args.params;
     const int lane = t % 32;
     // f(row, word) on every 32-bit word of a slab's 64 rows of 128 bytes (shared, in place), the prep threads
-    // cooperating: eight threads a row, 16 bytes each, so a quarter-warp's accesses cover one row's 32 banks. One
-    // row a thread put a quarter-warp's eight rows on the same four banks (eight-way conflicts), one dependent load
-    // at a time: that RoPE division was 22 % of C1's time (session 65, knockout dssr). Loads go out kInFlight at a
-    // time (the producer warpgroup keeps 24 registers).
+    // cooperating: eight threads a row, 16 bytes each, so a quarter-warp's accesses cover one row's 32 banks (one
+    // row a thread put a quarter-warp's eight rows on the same four banks). Loads go out kInFlight at a time (the
+    // producer warpgroup keeps 24 registers).
     // The swizzle only permutes 16-byte pieces within a row, which an elementwise f ignores. f returns false to
     // leave a piece as it was.
     constexpr int kRowsPerPass = Tr::kPrepWarps * 32 / 8;
@@ -91,17 +87,6 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
           table.running_n = running_n > 0.f ? running_n : 1.f;
           table.shifted = !page_uniform;
         }
-        // Every row's RoPE divided by its k (table.k, whole behind kPrepExchange; 1 on rows past the sequence).
-        transform_slab(smem_addr(slot + Tr::kRopeOffset), [&](int row, uint4& w) {
-          const float inv = __frcp_rn(table.k[row]);  // = 1 / k, rounded once
-          const __nv_bfloat162 f = __floats2bfloat162_rn(inv, inv);
-          auto mul = [&](uint32_t& word) {
-            const __nv_bfloat162 x = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word), f);
-            word = *reinterpret_cast<const uint32_t*>(&x);
-          };
-          mul(w.x), mul(w.y), mul(w.z), mul(w.w);
-          return true;
-        });
         if (!page_uniform) {
           mbarrier_wait(&plan.k_full[stage][0], phase);  // NoPE slabs 0-1
           // Slab g's valid rows whose scale g is not their k: four e4m3 bytes at a time as two f16 pairs (exact),
@@ -129,8 +114,8 @@ __device__ void SplitKvMlaKernel<kFormat, kNarrow>::prep_pages(const SplitKvArgs
             });
           }
         }
-        // The RoPE and NoPE writes are read by WGMMA (the async proxy); the table by the consumers' loads.
-        fence_proxy_async_smem();
+        // Shifted NoPE bytes are read by WGMMA (the async proxy); the table by the consumers' loads.
+        if (!page_uniform) fence_proxy_async_smem();
         __syncwarp();
         mbarrier_arrive_if(&plan.prepared[stage], lane == 0);
       }

@@ -490,11 +490,12 @@ struct Traits<config::KvFormat::kFp8DsMla> {
 // fp8_ds_mla's bytes on the page pairs, design S (docs/DESIGN.md, "Design S on the page pairs: the build"). On a
 // page whose tokens carry one scale each (quantize_kv_cache(..., ds_scales="token")), a token's NoPE bytes are
 // e4m3(value / k[t]), so with q's row scale qs:
-//   S = qs * k[t] * (Q8 K8^T + (q_rope / qs) (k_rope / k[t])^T)
-// is one fp32 accumulator: 16 FP8 k-steps over the NoPE slabs and 4 bf16 k-steps over the RoPE slab, once the
-// producer warpgroup's prep warps have divided that slab's rows by k[t] in place (a bf16 exponent shift for the
-// power-of-two scales of the reference quantizer). P = e4m3(p * k[t] * 16 / N), N the chunk's running max of k
-// (in the page table, written by the prep warps), and O carries N / 16 as consumer_ds's O_g carries N_g / 16.
+//   S = qs * (k[t] * Q8 K8^T + (q_rope / qs) k_rope^T)
+// from two fp32 accumulators: 16 FP8 k-steps over the NoPE slabs and 4 bf16 k-steps over the RoPE slab, added
+// with one FFMA a score (k[t] from the page table the producer warpgroup's prep warps write). Dividing the RoPE
+// slab by k[t] in shared memory instead, for one accumulator, put the prep's pass on the pair's critical path: 17-22 %
+// of C1's time (docs/PERF.md, sessions 65-66). P = e4m3(p * k[t] * 16 / N), N the chunk's running max of k
+// (in the page table), and O carries N / 16 as consumer_ds's O_g carries N_g / 16.
 // The pair pipeline is fp8_per_tensor's with two stages (early S kept: session 63's st2e ran fp8_per_tensor's
 // pairs at main's speed on two stages). A K slot is two parts: left = NoPE slabs 0-1 (V channels 0-255), right =
 // NoPE slabs 2-3, the RoPE slab and the scales.
@@ -556,8 +557,8 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
     float row_sum[decode_cfg::kNumConsumerWGs][decode_cfg::kBlockM];
     alignas(8) uint64_t k_full[kNumStages][2];
     alignas(8) uint64_t k_empty[kNumStages][2];
-    // Per slot: the prep warps are done with the page (table written, RoPE slab divided, NoPE shifted where
-    // needed). Per table: every consumer warp is done with it.
+    // Per slot: the prep warps are done with the page (table written, NoPE shifted where needed). Per table: every
+    // consumer warp is done with it.
     alignas(8) uint64_t prepared[kNumStages];
     alignas(8) uint64_t table_empty[kTableSlots];
     alignas(8) uint64_t q_full, q_empty;
