@@ -127,7 +127,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
       ds_scales: "fp8_ds_mla" only, which decoder the kernel path runs: "group" (any cache) or "token", for caches
         written with one scale per token (quantize_kv_cache / write_kv_cache with ds_scales="token"). "token" reads
         every cache correctly, but pages whose four scales differ are re-expressed first, which is slow. The reference
-        reads every cache alike. (Session 63: the "token" decoder is built, not yet verified on a GPU.)
+        reads every cache alike. (H100, session 67: "token" on token-scaled caches 7-11 % faster than "group" at
+        128 query heads, the same error; docs/PERF.md.)
 
     Returns:
       out bfloat16 [batch, seqlen_q, num_heads_q, 512] and lse float32 [batch, num_heads_q, seqlen_q] (natural log;
@@ -139,10 +140,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
             softmax_scale=HEAD_DIM_QK ** -0.5 if softmax_scale is None else softmax_scale, causal=causal,
             head_dim_v=head_dim_v, layer=layer)
 
-    if ds_scales not in ("group", "token"):
-        raise ValueError(f"ds_scales must be 'group' or 'token', got {ds_scales!r}")
-    if ds_scales == "token" and kv_format != "fp8_ds_mla":
-        raise ValueError(f"ds_scales='token' is only used by kv_format='fp8_ds_mla', got {kv_format!r}")
+    validation.check_ds_scales(ds_scales, kv_format)
     b = q.shape[0]
     implementation = resolve_implementation(implementation)
     if (kv_format in formats.FP8_FORMATS and implementation != "reference" and hopper_devices_only()

@@ -34,7 +34,7 @@ from jax_flash_mla.formats import (
     QUANT_TILE,
     check_kv_format,
 )
-from jax_flash_mla.validation import check_positive_scale_value, layer_scalar
+from jax_flash_mla.validation import check_ds_scales, check_positive_scale_value, layer_scalar
 
 _E4M3_MAX = 448.0
 _INT32_MAX = 2**31 - 1
@@ -53,7 +53,7 @@ def quantize_kv_cache(kv, kv_format: str, scale=None, *, ds_scales: str = "group
     kv = jnp.asarray(kv)
     _check_latent("kv", kv)
     scale = _check_scale(scale, kv_format)
-    token_scales = _check_ds_scales(ds_scales, kv_format)
+    token_scales = check_ds_scales(ds_scales, kv_format)
     if kv_format == "bf16":
         return kv.astype(jnp.bfloat16)
     if kv_format == "fp8_per_tensor":
@@ -217,15 +217,6 @@ def index_array(name, x):
 def _check_int(name, x):
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-
-
-def _check_ds_scales(ds_scales, kv_format):
-    """Whether fp8_ds_mla tokens get one scale each (``"token"``) rather than one per 128 channels (``"group"``)."""
-    if ds_scales not in ("group", "token"):
-        raise ValueError(f"ds_scales must be 'group' or 'token', got {ds_scales!r}")
-    if ds_scales == "token" and kv_format != "fp8_ds_mla":
-        raise ValueError(f"ds_scales='token' is only used by kv_format='fp8_ds_mla', got {kv_format!r}")
-    return ds_scales == "token"
 
 
 def _check_scale(scale, kv_format):

@@ -75,6 +75,15 @@ def check_positive_scale_value(name: str, x) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {value}")
 
 
+def check_ds_scales(ds_scales, kv_format: str) -> bool:
+    """Whether fp8_ds_mla tokens carry one scale each (``"token"``) rather than one per 128 channels (``"group"``)."""
+    if ds_scales not in ("group", "token"):
+        raise ValueError(f"ds_scales must be 'group' or 'token', got {ds_scales!r}")
+    if ds_scales == "token" and kv_format != "fp8_ds_mla":
+        raise ValueError(f"ds_scales='token' is only used by kv_format='fp8_ds_mla', got {kv_format!r}")
+    return ds_scales == "token"
+
+
 def check_cache(name: str, k_cache, kv_format: str) -> None:
     """k_cache: [num_blocks, PAGE_SIZE, h_kv, last_dim] with the format's dtype and last dimension."""
     check_rank(name, k_cache, 4, "[num_blocks, page_size, num_heads_k, head_dim]")
