@@ -24,7 +24,7 @@ static_assert(kDsMlaBytesPerToken == 656);
 
 // The three cache formats; each has a traits struct in the decode kernel. kFp8DsMlaTokenScales is not a format of
 // its own: fp8_ds_mla's bytes as design S on the page pairs reads them, fast on caches with one scale per token
-// (docs/DESIGN.md, "Design S on the page pairs: the build"; not yet instantiated).
+// (docs/DESIGN.md, "Design S on the page pairs: the build").
 enum class KvFormat { kBf16, kFp8PerTensor, kFp8DsMla, kFp8DsMlaTokenScales };
 
 // Scheduler: a sequence costs ceil(len / kPageSize) pages plus this fixed

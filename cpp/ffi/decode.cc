@@ -180,16 +180,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_c
   p.num_splits = static_cast<const int32_t*>(num_splits.untyped_data());
   p.stream = stream;
 
-  JFM_RETURN_IF_ERROR(ffi_util::launch("decode kernel", [&] {
-    // Design S has no few-rows kernel: those shapes keep design A's (consumer_narrow).
-    if constexpr (kFormat == KvFormat::kFp8DsMlaTokenScales) {
-      if (p.q_rows_per_head_k <= sm90::kDsNarrowRows) {
-        sm90::run_splitkv_mla<KvFormat::kFp8DsMla>(p);
-        return;
-      }
-    }
-    sm90::run_splitkv_mla<kFormat>(p);
-  }));
+  JFM_RETURN_IF_ERROR(ffi_util::launch("decode kernel", [&] { sm90::run_splitkv_mla<kFormat>(p); }));
   return ffi_util::launch("combine kernel", [&] { run_combine(p); });
 }
 

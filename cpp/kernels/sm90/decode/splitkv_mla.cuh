@@ -678,7 +678,13 @@ bool make_q_tensor_map(const DecodeParams& p, CUtensorMap* map) {
 template <config::KvFormat kFormat>
 void run_splitkv_mla(const DecodeParams& params) {
   using Tr = Traits<kFormat>;
-  static_assert(kFormat != config::KvFormat::kFp8DsMla || Tr::kNarrowRows == kDsNarrowRows);
+  if constexpr (kFormat == config::KvFormat::kFp8DsMlaTokenScales) {
+    // Design S has no few-rows kernel: those shapes run design A's (consumer_narrow), which reads any cache.
+    if (params.q_rows_per_head_k <= Traits<config::KvFormat::kFp8DsMla>::kNarrowRows) {
+      run_splitkv_mla<config::KvFormat::kFp8DsMla>(params);
+      return;
+    }
+  }
   if (params.batch == 0 || params.num_heads_k == 0 || params.q_rows_per_head_k == 0) return;
   SplitKvArgs args;
   args.params = params;

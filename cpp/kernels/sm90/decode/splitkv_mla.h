@@ -11,8 +11,4 @@ namespace jax_flash_mla::sm90 {
 template <config::KvFormat kFormat>
 void run_splitkv_mla(const DecodeParams& params);
 
-// fp8_ds_mla's few-rows kernel (design A) serves up to this many query rows per KV head (Traits::kNarrowRows),
-// also for kFp8DsMlaTokenScales, which has no few-rows variant.
-inline constexpr int kDsNarrowRows = 16;
-
 }  // namespace jax_flash_mla::sm90

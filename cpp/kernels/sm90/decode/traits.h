@@ -397,7 +397,7 @@ struct Traits<config::KvFormat::kFp8DsMla> {
   // 4 measured 2-4 % slower than single blocks and batches of 2 the same
   // (session 7; before those changes, batches of 4 had been 3 % faster).
   static constexpr int kTransposeBatch = 1;
-  // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits; splitkv_mla.h: kDsNarrowRows).
+  // Up to 16 query rows per KV head take consumer_narrow (NarrowTraits), with ds_scales="token" too.
   static constexpr int kNarrowRows = 16;
   static_assert((1 << kLazyRescaleLog2) * kPNormalizer <= 256.f, "P_g inside e4m3 (448)");
   static constexpr int kHeadDimNope = config::kHeadDimV;  // 512
@@ -518,7 +518,7 @@ struct Traits<config::KvFormat::kFp8DsMlaTokenScales> : Traits<config::KvFormat:
   static constexpr bool kBRightFirst = false;
   static constexpr int kNarrowRows = 0;  // the few-rows kernel stays design A (NarrowTraits<kFp8DsMla>)
 
-  // S over a whole page (N = 64), NoPE and RoPE into one accumulator; P V as fp8_per_tensor's.
+  // S over a whole page (N = 64), NoPE and RoPE into accumulators of their own; P V as fp8_per_tensor's.
   using TiledMmaQKNope = decltype(cute::make_tiled_mma(cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>{}));
   using TiledMmaQKRope = decltype(cute::make_tiled_mma(
       cute::SM90_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{}));
